@@ -1,0 +1,31 @@
+# Two commands: `make serve` and `make test`. Both set up .venv idempotently.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: serve test lint bench install
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Reinstall only when the project metadata changes. torch goes first, pinned to the CPU build,
+# so that no dependency pulls a CUDA wheel.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]' $(TORCH)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/python -m serve_app.demo_run
+
+test: $(STAMP)
+	$(BIN)/ruff check serve_app tests bench
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine.py
