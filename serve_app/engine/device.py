@@ -1,0 +1,57 @@
+"""Device and dtype choice: `device: auto` picks npu, then cuda, then cpu."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(torch.npu.is_available())
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        if npu_available():
+            name = "npu"
+        elif torch.cuda.is_available():
+            name = "cuda"
+        else:
+            name = "cpu"
+    if name == "npu":
+        import torch_npu  # noqa: F401
+
+        return torch.device("npu", torch.npu.current_device())
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type in ("npu", "cuda") or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "npu":
+        return torch.npu.mem_get_info(device)[0]
+    return 2 << 30  # CPU: a 2 GiB KV pool unless the config says otherwise

@@ -1,0 +1,328 @@
+"""The engine loop: step() = expire deadlines -> schedule -> run the model -> sample -> report.
+
+Synchronous and single-threaded; `LLM` drives it for offline batches and `AsyncEngine` runs it
+on a thread of its own for serving.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from serve_app.engine import beam_search
+from serve_app.engine.block_pool import BlockPool
+from serve_app.engine.config import EngineConfig
+from serve_app.engine.kv_cache import KVCacheManager
+from serve_app.engine.model_runner import ModelRunner
+from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics, TokenLogprob
+from serve_app.engine.params import FinishReason, SamplingParams
+from serve_app.engine.sampler import Sampler, SampleRow
+from serve_app.engine.scheduler import ScheduledBatch, Scheduler
+from serve_app.engine.sequence import Request, RequestStatus, Sequence
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.check()
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        hf = self.runner.hf_config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = min(config.max_seq_len, hf.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+        pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(pool)
+        self.scheduler = Scheduler(config, self.kv)
+        self.sampler = Sampler(config.seed, self.runner.device)
+        self.requests: dict[str, Request] = {}
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        generation = getattr(self.runner.model, "generation_config", None)
+        for source in (self.runner.hf_config, generation):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _generator(self, seed: int | None, offset: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed((seed + offset) % (1 << 64))
+        return generator
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        priority: int = 5,
+        deadline: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError for input the engine can never serve."""
+        params = params or SamplingParams()
+        prompt = list(prompt_token_ids)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if not 1 <= priority <= 5:
+            raise ValueError(f"priority must be in [1, 5], got {priority}")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) > self.max_model_len - 1:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; at most {self.max_model_len - 1} fit"
+                f" (maxSeqLen {self.config.max_seq_len})"
+            )
+        limit = min(self.config.max_iter_times, params.max_tokens or self.config.max_iter_times)
+        self._check_fits(len(prompt), limit, params.num_seqs)
+        seq = Sequence(prompt, len(prompt), generator=self._generator(params.seed, 0))
+        request = Request(request_id, prompt, params, limit, priority=priority, deadline=deadline)
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _check_fits(self, prompt_len: int, limit: int, num_seqs: int) -> None:
+        size = self.config.block_size
+        total = min(prompt_len + limit, self.max_model_len)
+        shared = prompt_len // size  # full prompt blocks the sequences share
+        need = shared + num_seqs * (-(-total // size) - shared + 1)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"the request needs up to {need} KV blocks; the pool has {self.kv.pool.num_blocks}"
+            )
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED):
+        """End a request now and free its blocks; returns its final output (None if unknown)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.finish_reason = reason
+        return self._finish(request, StepMetrics())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": pool.usage,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_blocks": pool.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hits": pool.num_cache_hits,
+            "prefix_cache_queries": pool.num_cache_queries,
+        }
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        cfg, expired = self.config, []
+        for request in list(self.requests.values()):
+            last = request.last_token_time or request.arrival_time
+            if (
+                (request.deadline is not None and now >= request.deadline)
+                or now - request.arrival_time >= cfg.e2e_timeout_s
+                or now - last >= cfg.token_timeout_s
+            ):
+                expired.append(self.abort(request.request_id, FinishReason.TIMEOUT))
+        return expired
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        outputs = self._expire(start)
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        self.runner.copy_blocks(self.kv.pending_copies)
+        self.kv.pending_copies.clear()
+        sample = [
+            i
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, sample)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+        row_of = {batch.seqs[i].seq_id: row for row, i in enumerate(sample)}
+        ready = [r for r in batch.requests if all(s.seq_id in row_of for s in r.seqs)]
+        outputs.extend(self._sample_and_report(batch, ready, logits, row_of, start))
+        return outputs
+
+    def _sample_and_report(
+        self,
+        batch: ScheduledBatch,
+        ready: list[Request],
+        logits: torch.Tensor,
+        row_of: dict,
+        start: float,
+    ):
+        rows: list[SampleRow] = []
+        logit_rows: list[int] = []
+        owners: list[tuple[Request, Sequence]] = []
+        beams: list[Request] = []
+        for request in ready:
+            if request.params.use_beam_search:
+                beams.append(request)
+                continue
+            self._fork_for_best_of(request)
+            for seq in request.seqs:
+                rows.append(
+                    SampleRow(
+                        request.params,
+                        request.prompt_token_ids,
+                        seq.output_token_ids,
+                        seq.generator,
+                    )
+                )
+                logit_rows.append(row_of.get(seq.seq_id, row_of.get(request.seqs[0].seq_id)))
+                owners.append((request, seq))
+        sampled = {}
+        if rows:
+            params = [r.params for r in rows]
+            num_top = max((p.logprobs or 0) for p in params)
+            need = any(p.logprobs is not None or p.best_of > p.n for p in params)
+            result = self.sampler(logits[logit_rows], rows, num_top=num_top, need_logprobs=need)
+            for k, (request, seq) in enumerate(owners):
+                logprob = None
+                if result.chosen_logprobs is not None:
+                    logprob = result.chosen_logprobs[k]
+                    seq.cumulative_logprob += logprob
+                    if request.params.logprobs is not None:
+                        top = result.top[k][: request.params.logprobs] if result.top else []
+                        seq.logprobs.append(TokenLogprob(result.token_ids[k], logprob, top))
+                self._append(request, seq, result.token_ids[k])
+                sampled[request.request_id] = request
+        for request in beams:
+            index = torch.tensor([row_of[s.seq_id] for s in request.seqs], device=logits.device)
+            logprobs = torch.log_softmax(logits[index], dim=-1)
+            request.seqs = beam_search.beam_step(request, logprobs, self.kv, self.eos_token_ids)
+            for seq in request.seqs:
+                if seq.num_output_tokens >= request.max_output_tokens or (
+                    seq.num_tokens >= self.max_model_len
+                ):
+                    seq.finish_reason = FinishReason.LENGTH
+            sampled[request.request_id] = request
+        now = time.monotonic()
+        outputs = []
+        for request in sampled.values():
+            metrics = self._metrics(request, batch, start, now)
+            request.last_token_time = now
+            if self._request_done(request):
+                outputs.append(self._finish(request, metrics))
+            elif self._streams(request):
+                outputs.append(
+                    self._output(
+                        request, request.seqs + request.finished_seqs, metrics, new_only=True
+                    )
+                )
+        return outputs
+
+    def _fork_for_best_of(self, request: Request) -> None:
+        """At the first sampled token, one prefilled sequence becomes best_of sequences."""
+        params, seq = request.params, request.seqs[0]
+        if params.best_of > 1 and len(request.seqs) == 1 and seq.num_output_tokens == 0:
+            for index in range(1, params.best_of):
+                child = self.kv.fork(seq)
+                child.index = index
+                child.generator = self._generator(params.seed, index)
+                request.seqs.append(child)
+
+    def _append(self, request: Request, seq: Sequence, token: int) -> None:
+        params = request.params
+        seq.token_ids.append(token)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = FinishReason.EOS
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP_TOKEN, token
+        elif seq.num_output_tokens >= request.max_output_tokens or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _request_done(self, request: Request) -> bool:
+        if request.params.use_beam_search:
+            live = [s for s in request.seqs if s.finish_reason is None]
+            return len(live) < len(request.seqs) or beam_search.is_done(request, live)
+        for seq in [s for s in request.seqs if s.finish_reason is not None]:
+            self.kv.free(seq)
+            request.seqs.remove(seq)
+            request.finished_seqs.append(seq)
+        return not request.seqs
+
+    @staticmethod
+    def _streams(request: Request) -> bool:
+        """Token-by-token output only when every sequence run is also returned."""
+        p = request.params
+        return not p.use_beam_search and p.best_of == p.n
+
+    def _metrics(self, request: Request, batch: ScheduledBatch, start: float, now: float):
+        metrics = StepMetrics(batch_size=len(batch.seqs), num_preemptions=request.num_preemptions)
+        if request.last_token_time is None:
+            metrics.prefill_time_ms = (now - request.arrival_time) * 1e3
+            metrics.queue_wait_us = (request.first_scheduled_time - request.arrival_time) * 1e6
+        else:
+            metrics.decode_time_ms = (now - request.last_token_time) * 1e3
+            metrics.queue_wait_us = max(0.0, start - request.last_token_time) * 1e6
+        return metrics
+
+    def _finish(self, request: Request, metrics: StepMetrics) -> RequestOutput:
+        params = request.params
+        if params.use_beam_search:
+            for seq in request.seqs:
+                seq.finish_reason = seq.finish_reason or request.finish_reason
+            seqs = beam_search.finish(request, request.seqs, self.kv)
+            request.seqs = []
+        else:
+            for seq in request.seqs:
+                seq.finish_reason = seq.finish_reason or request.finish_reason
+                self.kv.free(seq)
+            seqs = request.finished_seqs + request.seqs
+            request.seqs = []
+            if params.best_of > params.n:  # the n most likely of the best_of runs
+                seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+                for index, seq in enumerate(seqs):
+                    seq.index = index
+        for seq in seqs:
+            seq.finish_reason = seq.finish_reason or request.finish_reason
+        self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.requests.pop(request.request_id, None)
+        output = self._output(request, seqs, metrics, new_only=self._streams(request))
+        output.finished = True
+        return output
+
+    def _output(
+        self, request: Request, seqs: list[Sequence], metrics: StepMetrics, new_only: bool
+    ) -> RequestOutput:
+        completions = []
+        want_logprobs = request.params.logprobs is not None
+        for seq in sorted(seqs, key=lambda s: s.index):
+            tokens = seq.output_token_ids
+            emitted = seq.num_emitted if new_only else 0
+            seq.num_emitted = len(tokens)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    token_ids=tokens,
+                    new_token_ids=tokens[emitted:],
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if want_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, completions, metrics=metrics
+        )

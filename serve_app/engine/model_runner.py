@@ -1,0 +1,169 @@
+"""The model runner: the only engine piece that touches the device.
+
+Loads the HF model, owns the paged KV cache tensors, packs a scheduled batch into one forward
+pass (all new tokens concatenated, explicit positions) and returns logits only for the positions
+that sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serve_app.engine import attention
+from serve_app.engine.attention import AttentionMetadata
+from serve_app.engine.config import EngineConfig
+from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
+from serve_app.engine.sequence import Sequence
+from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.model_path = resolve_model_path(config.model)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.hf_config = self.model.config
+        self.model.set_attn_implementation(self._attention_backend())
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = self._allocate_kv()
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _attention_backend(self) -> str:
+        if self.device.type == "npu":
+            from serve_app.engine import npu_attention
+
+            return npu_attention.register()
+        return attention.register()
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return self.block_size, cfg.num_key_value_heads, head_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        block_size, heads, head_dim = self.kv_shape
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.hf_config.num_hidden_layers * block_size * heads * head_dim * element
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks > 0:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_mem_gb > 0:
+            budget = int(self.config.kv_cache_mem_gb * (1 << 30))
+        elif self.device.type == "cpu":
+            budget = free_memory_bytes(self.device)
+        else:
+            budget = int(0.8 * free_memory_bytes(self.device))
+        return max(1, budget // self.bytes_per_block)
+
+    def _allocate_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self.num_blocks, *self.kv_shape)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.hf_config.num_hidden_layers)
+        ]
+
+    # -- per step -------------------------------------------------------------------------------
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy on write: duplicate shared blocks before a fork writes into them."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def _block_tables(self, seqs: list[Sequence], num_blocks: int) -> torch.Tensor:
+        rows = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table)) for s in seqs]
+        return self._tensor(rows)
+
+    def _metadata(self, seqs: list[Sequence], num_new: list[int]) -> AttentionMetadata:
+        """Metadata for seqs ordered decodes (one new token) first, then prompt chunks."""
+        size = self.block_size
+        slots: list[int] = []
+        for seq, n in zip(seqs, num_new, strict=True):
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
+        nd = sum(1 for n in num_new if n == 1)
+        md = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=self._tensor(slots),
+            num_decodes=nd,
+            decode_block_tables=None,
+            decode_mask=None,
+            prefill_index=None,
+            prefill_valid=None,
+            prefill_block_tables=None,
+            prefill_mask=None,
+        )
+        if nd:
+            decodes = seqs[:nd]
+            context = self._tensor([s.num_computed_tokens + 1 for s in decodes])
+            max_blocks = -(-int(context.max()) // size)
+            md.decode_block_tables = self._block_tables(decodes, max_blocks)
+            keys = torch.arange(max_blocks * size, device=self.device)
+            md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
+            md.decode_context_lens = context
+        prompts, lens = seqs[nd:], num_new[nd:]
+        if prompts:
+            q_max = max(lens)
+            starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+            offsets = torch.arange(q_max)
+            md.prefill_valid = (offsets[None, :] < torch.tensor(lens)[:, None]).to(self.device)
+            index = (starts[:, None] + offsets[None, :]).clamp(max=sum(lens) - 1)
+            md.prefill_index = index.to(self.device)
+            first = self._tensor([s.num_computed_tokens for s in prompts])
+            q_pos = first[:, None] + offsets.to(self.device)[None, :]  # absolute positions
+            q_pos = torch.where(md.prefill_valid, q_pos, 0)  # padding sees key 0 only
+            context = first + self._tensor(lens)
+            md.prefill_query_lens = self._tensor(lens)
+            md.prefill_context_lens = context
+            if any(s.num_computed_tokens for s in prompts):
+                max_blocks = -(-int(context.max()) // size)
+                md.prefill_block_tables = self._block_tables(prompts, max_blocks)
+                keys = torch.arange(max_blocks * size, device=self.device)
+            else:
+                keys = offsets.to(self.device)
+            md.prefill_mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]
+        return md
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new: list[int], sample: list[int]) -> torch.Tensor:
+        """Run one step; return float32 logits [len(sample), vocab] for seqs[i] in sample."""
+        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
+        seqs = [seqs[i] for i in order]
+        num_new = [num_new[i] for i in order]
+        ids: list[int] = []
+        positions: list[int] = []
+        last = {}
+        for i, (seq, n) in zip(order, zip(seqs, num_new, strict=True), strict=True):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            last[i] = len(ids) - 1
+        md = self._metadata(seqs, num_new)
+        keep = self._tensor([last[i] for i in sample])
+        out = self.model(
+            input_ids=self._tensor(ids)[None],
+            position_ids=self._tensor(positions)[None],
+            attn_metadata=md,
+            logits_to_keep=keep,
+            use_cache=False,
+        )
+        return out.logits[0].float()

@@ -1,0 +1,54 @@
+"""What the engine reports per step and per request.
+
+Small plain dataclasses: they cross the replica's handle, so API layers can render any family's
+response (token deltas, logprobs, finish reasons, and the timing facts MindIE reports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve_app.engine.params import FinishReason
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives, best first
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]  # the tokens this output adds (stream delta)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # all output tokens so far, when asked for
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id (or stop string) that ended it
+    text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    """Timing of the step that produced this output's new tokens."""
+
+    batch_size: int = 0  # sequences in the step
+    queue_wait_us: float = 0.0  # waiting before the step began (since arrival / last token)
+    prefill_time_ms: float | None = None  # set on the first token: arrival to first token
+    decode_time_ms: float | None = None  # set on later tokens: time since the previous token
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: StepMetrics = field(default_factory=StepMetrics)

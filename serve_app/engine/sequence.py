@@ -1,0 +1,104 @@
+"""Sequences and requests: the engine's bookkeeping for one generation stream.
+
+One rule drives scheduling: a sequence's `num_computed_tokens` catches up with `num_tokens`.
+A fresh prompt, a chunked prompt, a prefix-cache hit and a preempted sequence being recomputed
+are all the same case; the step that makes them equal produces logits to sample from.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from serve_app.engine.params import FinishReason, SamplingParams
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    index: int = 0  # position among the request's sequences (the choice index)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[tuple] = field(default_factory=list)  # keys of the leading full blocks
+    cumulative_logprob: float = 0.0
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id, when one ended the sequence
+    num_emitted: int = 0  # output tokens already reported (streaming cursor)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self) -> Sequence:
+        """A copy sharing history; the caller shares the KV blocks (reference counts)."""
+        generator = None
+        if self.generator is not None:
+            generator = torch.Generator(device=self.generator.device)
+            generator.set_state(self.generator.get_state())
+        return Sequence(
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            generator=generator,
+            num_computed_tokens=self.num_computed_tokens,
+            block_table=list(self.block_table),
+            block_keys=list(self.block_keys),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs),
+        )
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One client request: one sequence, or several (n / best_of / beam search) sharing a prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_output_tokens: int  # min(maxIterTimes, max_tokens), the output limit before maxSeqLen
+    priority: int = 5  # 1 highest .. 5 lowest
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic time after which the request times out
+    seqs: list[Sequence] = field(default_factory=list)  # live sequences
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None  # when the latest token was emitted
+    beam_hypotheses: list[tuple[float, Sequence]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set when the whole request ends early
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
