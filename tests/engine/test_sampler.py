@@ -1,0 +1,157 @@
+"""Sampler statistics on synthetic logits: no model needed."""
+
+import torch
+
+from serve_app.engine.params import SamplingParams
+from serve_app.engine.sampler import Sampler, SampleRow
+
+VOCAB = 151936
+
+
+def _rows(params, n=1, output_ids=None, prompt_ids=None, seeds=None):
+    rows = []
+    for i in range(n):
+        generator = None
+        if seeds is not None:
+            generator = torch.Generator().manual_seed(seeds[i])
+        rows.append(SampleRow(params, prompt_ids or [], list(output_ids or []), generator))
+    return rows
+
+
+def _logits(n, seed=0, vocab=VOCAB, scale=3.0):
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_temperature_zero_and_do_sample_false_are_greedy():
+    logits = _logits(4)
+    sampler = Sampler()
+    for params in (SamplingParams(temperature=0), SamplingParams(do_sample=False)):
+        result = sampler(logits, _rows(params, 4))
+        assert result.token_ids == logits.argmax(1).tolist()
+
+
+def test_top_k_never_emits_a_token_outside_the_k_best():
+    logits = _logits(1, scale=0.5)  # flat: sampling without top-k would roam the vocabulary
+    allowed = set(logits[0].topk(5).indices.tolist())
+    sampler = Sampler(seed=1)
+    rows = _rows(SamplingParams(temperature=1.0, top_k=5), 64)
+    seen = set()
+    for _ in range(10):
+        seen.update(sampler(logits.expand(64, -1), rows).token_ids)
+    assert seen <= allowed
+    assert len(seen) > 1  # it still samples
+
+
+def test_top_p_never_emits_a_token_outside_the_nucleus():
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, :4] = torch.tensor([3.0, 2.5, 2.0, -1.0])
+    probs = logits.softmax(1)[0]
+    top_p = float(probs[:2].sum()) + 1e-4  # nucleus: tokens 0, 1 and 2 (2 crosses the mass)
+    sampler = Sampler(seed=2)
+    rows = _rows(SamplingParams(temperature=1.0, top_p=top_p), 128)
+    seen = set()
+    for _ in range(10):
+        seen.update(sampler(logits.expand(128, -1), rows).token_ids)
+    assert seen == {0, 1, 2}
+
+
+def test_top_k_at_or_above_vocab_is_off():
+    logits = _logits(1, scale=0.1)
+    rows = _rows(SamplingParams(temperature=1.0, top_k=VOCAB), 256)
+    tokens = Sampler(seed=3)(logits.expand(256, -1), rows).token_ids
+    assert len(set(tokens)) > 200
+
+
+def test_rows_mix_greedy_sampling_and_filters_independently():
+    logits = _logits(3, scale=0.5)
+    logits[2, 5] = 20.0  # row 2: one token holds almost all the mass
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.01),
+    ]
+    rows = [SampleRow(p, [], [], None) for p in params]
+    for _ in range(20):
+        tokens = Sampler()(logits, rows).token_ids
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[1] in logits[1].topk(3).indices.tolist()
+        assert tokens[2] == 5  # a 1 % nucleus is just the dominant token
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 2.0
+    logits[0, 4] = 1.9
+    greedy = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert Sampler()(logits, _rows(greedy, output_ids=[3])).token_ids == [4]
+    assert Sampler()(logits, _rows(greedy, prompt_ids=[3])).token_ids == [4]
+    assert Sampler()(logits, _rows(SamplingParams(temperature=0))).token_ids == [3]
+
+
+def test_repetition_penalty_pushes_negative_logits_further_down():
+    logits = torch.full((1, 10), -5.0)
+    logits[0, 3] = -1.0
+    logits[0, 4] = -1.2
+    params = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert Sampler()(logits, _rows(params, output_ids=[3])).token_ids == [4]
+
+
+def test_presence_and_frequency_penalties():
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 2.0
+    logits[0, 4] = 1.5
+    presence = SamplingParams(temperature=0, presence_penalty=1.0)
+    assert Sampler()(logits, _rows(presence, output_ids=[3])).token_ids == [4]
+    # frequency scales with the count: once costs 0.4, three times 1.2
+    frequency = SamplingParams(temperature=0, frequency_penalty=0.4)
+    assert Sampler()(logits, _rows(frequency, output_ids=[3])).token_ids == [3]
+    assert Sampler()(logits, _rows(frequency, output_ids=[3, 3, 3])).token_ids == [4]
+    # presence/frequency apply to generated tokens only, not to the prompt
+    assert Sampler()(logits, _rows(presence, prompt_ids=[3])).token_ids == [3]
+
+
+def test_seeded_rows_are_reproducible_whatever_shares_the_batch():
+    logits = _logits(1, scale=0.3)
+    params = SamplingParams(temperature=1.0, seed=11)
+    alone = Sampler()(logits, _rows(params, seeds=[11])).token_ids
+    crowd_logits = torch.cat([_logits(3, seed=9, scale=0.3), logits])
+    crowd_rows = _rows(SamplingParams(temperature=1.0), 3) + _rows(params, seeds=[11])
+    crowded = Sampler(seed=5)(crowd_logits, crowd_rows).token_ids
+    assert crowded[3] == alone[0]
+    other = Sampler()(logits, _rows(params, seeds=[12])).token_ids
+    assert other != alone
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    rows = _rows(SamplingParams(temperature=1.0), 4000)
+    tokens = torch.tensor(Sampler(seed=4)(logits.expand(4000, -1), rows).token_ids)
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_low_temperature_sharpens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    rows = _rows(SamplingParams(temperature=0.1), 1000)
+    tokens = Sampler(seed=4)(logits.expand(1000, -1), rows).token_ids
+    assert tokens.count(0) > 950
+
+
+def test_logprobs_report_the_sampled_token_and_the_top_alternatives():
+    logits = _logits(2)
+    result = Sampler()(logits, _rows(SamplingParams(temperature=0, logprobs=3), 2), num_top=3)
+    reference = torch.log_softmax(logits, 1)
+    for row in range(2):
+        token = result.token_ids[row]
+        assert abs(result.chosen_logprobs[row] - float(reference[row, token])) < 1e-5
+        ids = [t for t, _ in result.top[row]]
+        assert ids == reference[row].topk(3).indices.tolist()
+
+
+def test_allowed_token_mask_hook_restricts_choices():
+    logits = _logits(1)
+    mask = torch.zeros(VOCAB, dtype=torch.bool)
+    mask[[7, 8, 9]] = True
+    params = SamplingParams(temperature=1.0, allowed_token_fn=lambda generated: mask)
+    tokens = Sampler()(logits.expand(32, -1), _rows(params, 32)).token_ids
+    assert set(tokens) <= {7, 8, 9}
