@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/python -m serve_app.demo_run
+	$(BIN)/python -m serve_app
 
 test: $(STAMP)
 	$(BIN)/ruff check serve_app tests bench

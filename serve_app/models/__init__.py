@@ -1,0 +1,1 @@
+"""Model weights: the built-in demo model builder and the loader that resolves modelWeightPath."""

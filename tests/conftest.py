@@ -1,0 +1,40 @@
+"""Shared fixtures: the demo models are built once per machine into the cache folder."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def demo_path():
+    from serve_app.models.demo import ensure_demo_model
+
+    return ensure_demo_model("demo")
+
+
+@pytest.fixture(scope="session")
+def hf_demo(demo_path):
+    """transformers' own model on the same weights: the reference we must match."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """Prompts of many lengths, random ids from the ordinary vocabulary."""
+    generator = torch.Generator().manual_seed(1234)
+    lengths = [1, 2, 7, 16, 31, 64, 100, 150, 5]
+    return [torch.randint(0, 151643, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(hf_demo, prompts):
+    """transformers' greedy continuation of each prompt (16 tokens, EOS ignored)."""
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            generated = hf_demo.generate(
+                torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+            )
+            out.append(generated[0, len(ids) :].tolist())
+    return out

@@ -1,0 +1,253 @@
+"""The engine end to end on the demo model: parity with transformers, scheduling, KV lifetime."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from serve_app.engine import (
+    LLM,
+    AsyncEngine,
+    EngineError,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+)
+
+GREEDY16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def make_llm(**overrides):
+    settings = dict(dtype="float32", block_size=16, num_kv_blocks=256, max_seq_len=1024,
+                    max_iter_times=256, max_input_token_len=512, max_prefill_tokens=512)
+    settings.update(overrides)
+    return LLM("demo", **settings)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm()
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_idle(llm):
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert not llm.engine.requests
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(prompts, greedy_reference):
+    # A 48-token budget per step splits the longer prompts over several steps, next to decodes.
+    llm = make_llm(max_prefill_tokens=48, max_input_token_len=48)
+    outputs = llm.generate(prompts, GREEDY16)
+    assert tokens(outputs) == greedy_reference
+    assert all(o.outputs[0].finish_reason == FinishReason.LENGTH for o in outputs)
+    assert_idle(llm)
+
+
+def test_greedy_matches_transformers_in_one_batch(llm, prompts, greedy_reference):
+    assert tokens(llm.generate(prompts, GREEDY16)) == greedy_reference
+    assert_idle(llm)
+
+
+def test_bfloat16_runs_and_mostly_agrees(prompts, greedy_reference):
+    llm = make_llm(dtype="bfloat16")
+    outputs = tokens(llm.generate(prompts, GREEDY16))
+    first_tokens_equal = sum(o[0] == r[0] for o, r in zip(outputs, greedy_reference, strict=True))
+    assert first_tokens_equal >= len(prompts) - 1
+
+
+def test_preemption_when_the_pool_is_too_small_keeps_outputs_exact(prompts, greedy_reference):
+    llm = make_llm(num_kv_blocks=14)  # far fewer blocks than all requests need at once
+    outputs = llm.generate(prompts, GREEDY16)
+    assert llm.engine.stats()["num_preemptions"] > 0
+    assert tokens(outputs) == greedy_reference
+    assert_idle(llm)
+
+
+def test_prefix_reuse_gives_identical_outputs_and_reuses_blocks(llm, prompts, greedy_reference):
+    before = llm.engine.stats()["prefix_cache_hits"]
+    assert tokens(llm.generate(prompts, GREEDY16)) == greedy_reference
+    hits = llm.engine.stats()["prefix_cache_hits"] - before
+    full_blocks = sum((len(p) - 1) // 16 for p in prompts)
+    assert hits >= full_blocks > 0
+    assert_idle(llm)
+
+
+def test_abort_mid_generation_frees_every_block(llm, prompts):
+    engine = llm.engine
+    engine.add_request("a", prompts[6], SamplingParams(temperature=0, max_tokens=100))
+    engine.add_request("b", prompts[7], SamplingParams(temperature=1.0, n=3, max_tokens=100))
+    for _ in range(5):
+        engine.step()
+    assert engine.stats()["num_free_blocks"] < engine.stats()["num_blocks"]
+    for request_id in ("a", "b"):
+        final = engine.abort(request_id)
+        assert final.finished
+        assert {c.finish_reason for c in final.outputs} == {FinishReason.ABORTED}
+    assert engine.abort("a") is None
+    assert_idle(llm)
+
+
+def test_same_seed_same_tokens_alone_and_in_a_busy_batch(llm, prompts):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
+    alone = tokens(llm.generate([prompts[4]], seeded))[0]
+    busy = [SamplingParams(temperature=0.8, max_tokens=20)] * 6
+    batch = llm.generate(prompts[:6] + [prompts[4]], busy + [seeded])
+    assert tokens(batch)[-1] == alone
+    other = SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=12, ignore_eos=True)
+    assert tokens(llm.generate([prompts[4]], other))[0] != alone
+
+
+def test_temperature_zero_equals_greedy(llm, prompts, greedy_reference):
+    params = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, max_tokens=16, ignore_eos=True)
+    assert tokens(llm.generate(prompts[:3], params)) == greedy_reference[:3]
+
+
+def test_n_and_best_of_return_the_right_number_of_sequences(llm, prompts):
+    out = llm.generate([prompts[3]], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 or c.finish_reason != FinishReason.LENGTH
+               for c in out[0].outputs)
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # the forks sample apart
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=1, max_tokens=8)
+    best = llm.generate([prompts[3]], params)[0].outputs
+    assert len(best) == 2
+    assert best[0].cumulative_logprob >= best[1].cumulative_logprob
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_beam_search_equals_transformers(llm, hf_demo, prompts, width):
+    ids = prompts[3]
+    params = SamplingParams(n=width, use_beam_search=True, temperature=0, max_tokens=6,
+                            ignore_eos=True)
+    ours = [c.token_ids for c in llm.generate([ids], params)[0].outputs]
+    with torch.inference_mode():
+        ref = hf_demo.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6,
+                               num_beams=width, num_return_sequences=width, do_sample=False)
+    assert ours == ref[:, len(ids):].tolist()
+    assert_idle(llm)
+
+
+def test_beam_search_returns_n_of_best_of_beams(llm, prompts):
+    params = SamplingParams(n=2, best_of=4, use_beam_search=True, temperature=0, max_tokens=5)
+    out = llm.generate([prompts[2]], params)[0].outputs
+    assert len(out) == 2
+    assert_idle(llm)
+
+
+def test_stop_token_ids_and_eos(llm, prompts, greedy_reference):
+    stop = greedy_reference[2][3]
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0, stop_token_ids=[stop],
+                                                    max_tokens=16))[0].outputs[0]
+    cut = greedy_reference[2].index(stop) + 1
+    assert out.token_ids == greedy_reference[2][:cut]
+    assert (out.finish_reason, out.stop_reason) == (FinishReason.STOP_TOKEN, stop)
+    eos = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = eos | {stop}
+    try:
+        out = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=16))
+        assert out[0].outputs[0].finish_reason == FinishReason.EOS
+        assert out[0].outputs[0].token_ids == greedy_reference[2][:cut]
+        ignored = llm.generate([prompts[2]], GREEDY16)[0].outputs[0]
+        assert ignored.token_ids == greedy_reference[2]
+    finally:
+        llm.engine.eos_token_ids = eos
+
+
+def test_output_limits_max_tokens_max_iter_times_and_max_seq_len(prompts):
+    llm = make_llm(max_iter_times=10, max_seq_len=110)
+    free = SamplingParams(temperature=0, ignore_eos=True)
+    assert len(tokens(llm.generate([prompts[2]], free))[0]) == 10  # maxIterTimes
+    limited = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)
+    assert len(tokens(llm.generate([prompts[2]], limited))[0]) == 4  # max_tokens
+    out = llm.generate([prompts[6]], free)[0].outputs[0]  # 100 prompt tokens + 10 = maxSeqLen
+    assert len(out.token_ids) == 10 and out.finish_reason == FinishReason.LENGTH
+    llm = make_llm(max_iter_times=100, max_seq_len=105)
+    out = llm.generate([prompts[6]], free)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == FinishReason.LENGTH
+
+
+def test_bad_input_is_refused_with_a_clear_error(llm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[151936]], GREEDY16)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY16)
+    with pytest.raises(ValueError, match="prompt has 1024 tokens"):
+        llm.generate([[1] * 1024], GREEDY16)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([[1]], GREEDY16, priorities=[0])
+    with pytest.raises(ValueError, match="KV blocks"):
+        make_llm(num_kv_blocks=4).generate([[1] * 100], GREEDY16)
+    assert_idle(llm)
+
+
+def test_priority_orders_admission(prompts):
+    llm = make_llm(max_batch_size=1, max_prefill_batch_size=1)
+    engine = llm.engine
+    for name in ("low1", "low2"):
+        engine.add_request(name, prompts[1], SamplingParams(temperature=0, max_tokens=2), 5)
+    engine.add_request("urgent", prompts[1], SamplingParams(temperature=0, max_tokens=2), 1)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["urgent", "low1", "low2"]
+
+
+def test_deadline_times_out_and_frees_blocks(llm, prompts):
+    engine = llm.engine
+    engine.add_request("slow", prompts[5], SamplingParams(temperature=0, max_tokens=200),
+                       deadline=time.monotonic() + 0.2)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        time.sleep(0.01)
+    assert outputs[-1].finished
+    assert outputs[-1].outputs[0].finish_reason == FinishReason.TIMEOUT
+    assert_idle(llm)
+
+
+def test_outputs_carry_step_timing(llm, prompts):
+    engine = llm.engine
+    engine.add_request("t", prompts[3], SamplingParams(temperature=0, max_tokens=3))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    first, later = outputs[0].metrics, outputs[1].metrics
+    assert first.prefill_time_ms > 0 and first.decode_time_ms is None
+    assert later.decode_time_ms > 0 and later.prefill_time_ms is None
+    assert first.batch_size >= 1 and first.queue_wait_us >= 0
+    assert [o.outputs[0].new_token_ids for o in outputs] == [[t] for t in
+                                                            outputs[-1].outputs[0].token_ids]
+
+
+def test_async_engine_streams_and_aborts_on_early_exit(llm, prompts, greedy_reference):
+    engine = AsyncEngine(engine=llm.engine)
+
+    async def main():
+        streamed = []
+        request = GenerateRequest("s1", prompts[2], GREEDY16)
+        async for output in engine.generate(request):
+            streamed += output.outputs[0].new_token_ids
+        assert streamed == greedy_reference[2]
+        long = GenerateRequest("s2", prompts[3], SamplingParams(temperature=0, max_tokens=200))
+        async for _ in engine.generate(long):
+            break  # a client going away
+        for _ in range(100):
+            if not llm.engine.requests:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(EngineError, match="vocabulary"):
+            async for _ in engine.generate(GenerateRequest("s3", [10**9], GREEDY16)):
+                pass
+
+    try:
+        asyncio.run(main())
+        assert_idle(llm)
+    finally:
+        engine.shutdown()
