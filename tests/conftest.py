@@ -28,13 +28,24 @@ def prompts():
 
 
 @pytest.fixture(scope="session")
-def greedy_reference(hf_demo, prompts):
-    """transformers' greedy continuation of each prompt (16 tokens, EOS ignored)."""
-    out = []
+def hf_greedy(hf_demo, prompts):
+    """transformers' greedy continuation of each prompt (16 tokens, EOS ignored), with the
+    log-probability of each chosen token: the demo model's argmax is decisive by design, so
+    parity of the log-probabilities is what shows that every cached position was attended."""
+    tokens, logprobs = [], []
     with torch.inference_mode():
         for ids in prompts:
-            generated = hf_demo.generate(
-                torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+            out = hf_demo.generate(
+                torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
             )
-            out.append(generated[0, len(ids) :].tolist())
-    return out
+            chosen = out.sequences[0, len(ids) :]
+            steps = torch.cat(out.logits).float().log_softmax(-1)
+            tokens.append(chosen.tolist())
+            logprobs.append(steps.gather(1, chosen[:, None])[:, 0].tolist())
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(hf_greedy):
+    return hf_greedy[0]

@@ -1,0 +1,614 @@
+"""Engine throughput benchmark: our engine against transformers' own ways of generating.
+
+    .venv/bin/python bench/engine.py              # 32 x 128-token prompts x 128 tokens, fp32+bf16
+    .venv/bin/python bench/engine.py --quick      # 8 x 32 x 16 smoke test (under ~2 minutes)
+    .venv/bin/python bench/engine.py --dtype float32 --repeats 3
+
+Every system generates the same greedy, EOS-free workload on the demo model, after a short
+warm-up, and is scored as output tokens / wall seconds. See bench/README.md for what each system
+is and how to read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation import ContinuousBatchingConfig
+from transformers.generation.streamers import BaseStreamer
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from serve_app.engine import LLM, SamplingParams  # noqa: E402
+from serve_app.models.demo import ensure_demo_model  # noqa: E402
+from serve_app.models.loader import load_model  # noqa: E402
+
+VOCAB_REGULAR = 151643  # ids below this are regular BPE tokens (the specials follow)
+PAD_ID = 151643  # <|endoftext|>
+WARMUP_TOKENS = 4  # output tokens of every warm-up run
+WARMUP_SEED_OFFSET = 1_000_000  # the warm-up's prompts come from seed + this
+T0 = time.perf_counter()
+
+# (system key, label, target ratio ours/system or None, target text)
+SYSTEMS = [
+    ("ours", "ours (serve_app LLM)", None, ""),
+    ("hf_cb", "transformers generate_batch (CB)", 2.0, ">= 2x"),
+    ("hf_static", "transformers generate, static batch", 1.0, ">= 1x"),
+    ("hf_one_at_a_time", "transformers generate, one at a time", None, "(info)"),
+    ("bare_loop", "bare forward loop (DynamicCache)", 0.95, ">= ~1.0x"),
+]
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
+def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB_REGULAR, (num, length), generator=gen).tolist()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def timed_runs(fn: Callable[[list[list[int]]], list[list[int]]], prompt_sets, device):
+    """Time fn on each prompt set; returns (per-run seconds, the last run's token lists).
+
+    Each repeat gets prompts of its own, so that no prefix cache (ours, or transformers CB's
+    block sharing in its persistent manager) can reuse an earlier repeat's KV blocks.
+    """
+    seconds, tokens = [], []
+    for prompts in prompt_sets:
+        sync(device)
+        start = time.perf_counter()
+        tokens = fn(prompts)
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds, tokens
+
+
+def summarize(seconds: list[float], num_tokens: int, note: str = "") -> dict:
+    median = statistics.median(seconds)
+    result = {
+        "output_tokens": num_tokens,
+        "seconds": median,
+        "tokens_per_s": num_tokens / median,
+        "runs_s": seconds,
+    }
+    if note:
+        result["note"] = note
+    return result
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How many requests produced exactly the reference's tokens (compared over other's rows)."""
+    same = [a == b for a, b in zip(reference, other, strict=False)]
+    return {"identical": sum(same), "compared": len(same), "first_two": same[:2]}
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    info = {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "torch_num_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+# -- the systems --------------------------------------------------------------------------------
+
+
+class TokenTimer(BaseStreamer):
+    """A generate() streamer that timestamps every put(): the prompt, then each new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def token_gaps(self) -> list[float]:
+        """Seconds between consecutive generated tokens (times[0] is the prompt, before prefill)."""
+        generated = self.times[1:]
+        return [b - a for a, b in zip(generated, generated[1:], strict=False)]
+
+
+def build_ours(args, dtype: str) -> LLM:
+    per_seq = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
+    return LLM(
+        model="demo",
+        dtype=dtype,
+        max_batch_size=args.requests,
+        max_prefill_batch_size=args.requests,
+        max_prefill_tokens=args.prefill_tokens,
+        max_input_token_len=args.prompt_len,
+        max_seq_len=args.prompt_len + args.output_len,
+        max_iter_times=args.output_len,
+        block_size=args.block_size,
+        num_kv_blocks=2 * args.requests * per_seq,  # room for the warm-up's cached prefixes too
+    )
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list[float]:
+    """Batch-1 decode latency: each request alone, every engine.step() after the first timed."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine, gaps = llm.engine, []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"latency-{i}-{time.monotonic_ns()}", prompt, params)
+        first = True
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            if not first:
+                gaps.append(time.perf_counter() - start)
+            first = False
+    return gaps
+
+
+def cb_config(args) -> ContinuousBatchingConfig:
+    per_seq = -(-(args.prompt_len + args.output_len) // args.cb_page_size) + 1
+    return ContinuousBatchingConfig(
+        page_size=args.cb_page_size,
+        num_blocks=args.requests * per_seq,  # fixed: on CPU it is otherwise sized from psutil
+        max_batch_tokens=args.prefill_tokens,
+        max_requests_per_batch=args.requests,
+    )
+
+
+def run_hf_cb(model, prompts, output_len: int, config: ContinuousBatchingConfig):
+    """transformers continuous batching. Not under inference_mode: its worker thread updates
+    tensors in place that the calling thread created, which inference tensors forbid."""
+    gen_config = GenerationConfig(
+        max_new_tokens=output_len,
+        do_sample=False,
+        eos_token_id=-1,  # -1 disables EOS in generate_batch (None falls back to the model's)
+        pad_token_id=PAD_ID,
+    )
+    results = model.generate_batch(
+        inputs=prompts,
+        generation_config=gen_config,
+        continuous_batching_config=config,
+        progress_bar=False,
+        persistent_manager=True,  # the warm-up's manager (cache, thread set-up) is reused
+    )
+    out = list(results.values())
+    errors = [r.error for r in out if r.error is not None]
+    if len(out) != len(prompts) or errors:
+        raise RuntimeError(f"generate_batch: {len(out)}/{len(prompts)} results; {errors[:2]}")
+    return [list(r.generated_tokens) for r in out]
+
+
+def hf_generate_config(model, output_len: int) -> GenerationConfig:
+    eos_ids = model.generation_config.eos_token_id
+    return GenerationConfig(
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        pad_token_id=PAD_ID,
+        eos_token_id=eos_ids,  # min_new_tokens keeps them from ending a request early
+    )
+
+
+@torch.inference_mode()
+def run_hf_static(model, prompts, output_len: int) -> list[list[int]]:
+    device = model.device
+    ids = torch.tensor(prompts, device=device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        generation_config=hf_generate_config(model, output_len),
+    )
+    return out[:, ids.shape[1] :].tolist()
+
+
+@torch.inference_mode()
+def run_hf_one_at_a_time(model, prompts, output_len: int, gaps: list[float] | None = None):
+    device, results = model.device, []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        timer = TokenTimer()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=hf_generate_config(model, output_len),
+            streamer=timer,
+        )
+        results.append(out[0, ids.shape[1] :].tolist())
+        if gaps is not None:
+            gaps.extend(timer.token_gaps())
+    return results
+
+
+@torch.inference_mode()
+def run_bare_loop(model, prompts, output_len: int) -> list[list[int]]:
+    """One prefill forward, then output_len - 1 decode forwards of [B, 1]; argmax, nothing else."""
+    ids = torch.tensor(prompts, device=model.device)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [token]
+    for _ in range(output_len - 1):
+        logits = model(
+            input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    return torch.cat(tokens, dim=1).tolist()
+
+
+# -- one dtype ----------------------------------------------------------------------------------
+
+
+def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -> dict:
+    out_len, prompts = args.output_len, prompt_sets[0]
+    total = len(prompts) * out_len
+    systems: dict[str, dict] = {}
+    tokens: dict[str, list[list[int]]] = {}
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - T0:6.1f}s {dtype}] {message}", flush=True)
+
+    # 1. ours
+    log("loading our engine ...")
+    llm = build_ours(args, dtype)
+    device = llm.engine.runner.device
+    ours_config = dataclasses.asdict(llm.config)
+    log(f"ours: warm-up, then {len(prompts)} requests on {device} ...")
+    run_ours(llm, warm_prompts, WARMUP_TOKENS)
+    seconds, tokens["ours"] = timed_runs(
+        partial(run_ours, llm, output_len=out_len), prompt_sets, device
+    )
+    systems["ours"] = summarize(seconds, sum(map(len, tokens["ours"])))
+    log(f"ours: {systems['ours']['tokens_per_s']:.1f} tok/s")
+
+    one = prompts[: args.one_at_a_time]
+    log(f"ours: batch-1 decode latency over {len(one)} requests ...")
+    ours_token_gaps(llm, warm_prompts[:1], WARMUP_TOKENS)
+    ours_gaps = ours_token_gaps(llm, one, out_len)
+    del llm
+    gc.collect()
+
+    # HF baselines: a plain copy of the same weights with transformers' default attention.
+    model = load_model(model_path, getattr(torch, dtype), device)
+    attn = model.config._attn_implementation
+    log(f"transformers model loaded (attn_implementation={attn})")
+
+    # 2. transformers continuous batching
+    config = cb_config(args)
+    log("transformers CB: warm-up ...")
+    run_hf_cb(model, warm_prompts, WARMUP_TOKENS, config)
+    log("transformers CB: timed ...")
+    seconds, tokens["hf_cb"] = timed_runs(
+        partial(run_hf_cb, model, output_len=out_len, config=config), prompt_sets, device
+    )
+    model.destroy_cached_continuous_batching_manager()
+    systems["hf_cb"] = summarize(
+        seconds,
+        sum(map(len, tokens["hf_cb"])),
+        f"attn={model.config._attn_implementation}, page_size={config.page_size}, "
+        f"num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
+        f"max_requests_per_batch={config.max_requests_per_batch}",
+    )
+    log(f"transformers CB: {systems['hf_cb']['tokens_per_s']:.1f} tok/s")
+
+    # 3. static batch
+    log("static batch generate ...")
+    run_hf_static(model, warm_prompts, WARMUP_TOKENS)
+    seconds, tokens["hf_static"] = timed_runs(
+        partial(run_hf_static, model, output_len=out_len), prompt_sets, device
+    )
+    systems["hf_static"] = summarize(seconds, sum(map(len, tokens["hf_static"])))
+    log(f"static batch: {systems['hf_static']['tokens_per_s']:.1f} tok/s")
+
+    # 4. one at a time (the first N requests; tokens/s extrapolates to the whole workload)
+    log(f"one-at-a-time generate over the first {len(one)} requests ...")
+    run_hf_one_at_a_time(model, warm_prompts[:1], WARMUP_TOKENS)
+    hf_gaps: list[float] = []
+    seconds, tokens["hf_one_at_a_time"] = timed_runs(
+        partial(run_hf_one_at_a_time, model, output_len=out_len, gaps=hf_gaps),
+        [p[: args.one_at_a_time] for p in prompt_sets],
+        device,
+    )
+    note = ""
+    if len(one) < len(prompts):
+        whole = statistics.median(seconds) * len(prompts) / len(one)
+        note = (
+            f"measured on the first {len(one)} of {len(prompts)} requests; tokens/s extrapolated"
+            f" (the whole workload would take ~{whole:.1f} s)"
+        )
+    systems["hf_one_at_a_time"] = summarize(
+        seconds, sum(map(len, tokens["hf_one_at_a_time"])), note
+    )
+    log(f"one at a time: {systems['hf_one_at_a_time']['tokens_per_s']:.1f} tok/s")
+
+    # 5. bare forward loop
+    log("bare forward loop ...")
+    run_bare_loop(model, warm_prompts, WARMUP_TOKENS)
+    seconds, tokens["bare_loop"] = timed_runs(
+        partial(run_bare_loop, model, output_len=out_len), prompt_sets, device
+    )
+    systems["bare_loop"] = summarize(seconds, sum(map(len, tokens["bare_loop"])))
+    log(f"bare loop: {systems['bare_loop']['tokens_per_s']:.1f} tok/s")
+    del model
+    gc.collect()
+
+    bad = {k: v["output_tokens"] for k, v in systems.items() if k != "hf_one_at_a_time"}
+    bad = {k: n for k, n in bad.items() if n != total}
+    if bad:
+        log(f"WARNING: expected {total} output tokens, got {bad}")
+
+    ours_tps = systems["ours"]["tokens_per_s"]
+    ratios = {}
+    for key, _label, target, _text in SYSTEMS[1:]:
+        ratio = ours_tps / systems[key]["tokens_per_s"]
+        met = None if target is None else ratio >= target
+        ratios[key] = {"ratio": ratio, "target": target, "met": met}
+    latency = {
+        "method": (
+            "ours: wall time of each engine.step() after the first (prefill) step, one request"
+            " alone; transformers: gaps between consecutive generated tokens seen by a streamer"
+            " in one-at-a-time generate(); p50 over all gaps of the measured requests"
+        ),
+        "requests": len(one),
+        "ours_p50_ms": 1e3 * statistics.median(ours_gaps),
+        "ours_p90_ms": 1e3 * percentile(ours_gaps, 0.9),
+        "hf_generate_p50_ms": 1e3 * statistics.median(hf_gaps),
+        "hf_generate_p90_ms": 1e3 * percentile(hf_gaps, 0.9),
+    }
+    latency["ratio_hf_over_ours"] = latency["hf_generate_p50_ms"] / latency["ours_p50_ms"]
+    agree = {key: agreement(tokens["ours"], tokens[key]) for key, *_ in SYSTEMS[1:]}
+    return {
+        "device": str(device),
+        "ours_config": ours_config,
+        "hf_cb_config": {
+            "page_size": config.page_size,
+            "num_blocks": config.num_blocks,
+            "max_batch_tokens": config.max_batch_tokens,
+            "max_requests_per_batch": config.max_requests_per_batch,
+        },
+        "hf_attn_implementation": attn,
+        "systems": systems,
+        "ratios_ours_over": ratios,
+        "batch1_decode_latency": latency,
+        "agreement_with_ours": agree,
+    }
+
+
+def print_report(dtype: str, result: dict) -> None:
+    systems, ratios = result["systems"], result["ratios_ours_over"]
+    print(f"\n== {dtype} on {result['device']} ==")
+    print(f"{'system':<40} {'tok/s':>9} {'ours/x':>8}  {'target':<9} {'met':<4} agrees")
+    for key, label, _target, text in SYSTEMS:
+        tps = systems[key]["tokens_per_s"]
+        if key == "ours":
+            print(f"{label:<40} {tps:>9.1f} {'':>8}  {'':<9} {'':<4}")
+            continue
+        ratio = ratios[key]
+        met = "" if ratio["met"] is None else ("yes" if ratio["met"] else "NO")
+        same = result["agreement_with_ours"][key]
+        agrees = f"{same['identical']}/{same['compared']}"
+        star = " *" if systems[key].get("note") else ""
+        row = f"{label + star:<40} {tps:>9.1f} {ratio['ratio']:>7.2f}x"
+        print(f"{row}  {text:<9} {met:<4} {agrees}")
+    for key, label, *_ in SYSTEMS:
+        if systems[key].get("note"):
+            print(f"  * {label}: {systems[key]['note']}")
+    cb = result["agreement_with_ours"]["hf_cb"]
+    verdict = "agree" if all(cb["first_two"]) else "DISAGREE"
+    print(f"  sanity: transformers CB vs ours on the first two requests (greedy): {verdict}")
+    lat = result["batch1_decode_latency"]
+    print(
+        f"  batch-1 decode p50 per output token ({lat['requests']} requests): "
+        f"ours {lat['ours_p50_ms']:.2f} ms, "
+        f"transformers generate {lat['hf_generate_p50_ms']:.2f} ms"
+        f" (generate/ours = {lat['ratio_hf_over_ours']:.2f}x)"
+    )
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
+    )
+    parser.add_argument("--requests", type=int, default=None, help="default 32 (8 with --quick)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (32)")
+    parser.add_argument("--output-len", type=int, default=None, help="default 128 (16)")
+    parser.add_argument(
+        "--one-at-a-time",
+        type=int,
+        default=None,
+        help="requests measured one at a time (default 4, 2 with --quick)",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=None,
+        help="our max_prefill_tokens and CB's max_batch_tokens "
+        "(default requests * prompt-len: the whole prefill in one step)",
+    )
+    parser.add_argument("--block-size", type=int, default=128, help="our KV block size")
+    parser.add_argument(
+        "--cb-page-size",
+        type=int,
+        default=128,
+        help="transformers CB page size (its default is 256)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per system after the warm-up, each on prompts of its own (seed + r);"
+        " the median is reported",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for the whole run (default: torch's own choice, not set)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="reduced smoke-test workload")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON result (default bench/results/engine.json, engine-quick.json with --quick)",
+    )
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = {
+        "requests": 8 if quick else 32,
+        "prompt_len": 32 if quick else 128,
+        "output_len": 16 if quick else 128,
+        "one_at_a_time": 2 if quick else 4,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.one_at_a_time = max(1, min(args.one_at_a_time, args.requests))
+    if args.prefill_tokens is None:
+        args.prefill_tokens = args.requests * args.prompt_len
+    args.prefill_tokens = max(args.prefill_tokens, args.prompt_len)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.output_len < 2:
+        parser.error("--output-len must be >= 2 (per-token latency needs two tokens)")
+    if args.out is None:
+        name = "engine-quick.json" if quick else "engine.json"
+        args.out = ROOT / "bench" / "results" / name
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # per-call chatter
+    transformers.logging.set_verbosity_error()
+    started = datetime.datetime.now().astimezone()
+    machine = machine_info()
+    machine["threads_set_by_bench"] = args.threads is not None
+    threads = "set by --threads" if args.threads is not None else "torch default"
+    load_start = loadavg()
+    print(
+        f"workload: {args.requests} requests x {args.prompt_len}-token prompts x "
+        f"{args.output_len} output tokens, greedy, ignore_eos; repeats={args.repeats}"
+    )
+    print(
+        f"machine: {machine['cpu_model']}, {machine['cpus_usable']} usable CPUs, "
+        f"torch {machine['torch']} ({machine['torch_num_threads']} threads, {threads}), "
+        f"transformers {machine['transformers']}; loadavg {load_start}"
+    )
+    model_path = ensure_demo_model("demo")
+    # Repeat r uses seed + r; the warm-up has prompts of its own (so no prefix cache hits).
+    prompt_sets = [
+        make_prompts(args.requests, args.prompt_len, args.seed + r) for r in range(args.repeats)
+    ]
+    warm_prompts = make_prompts(args.requests, args.prompt_len, args.seed + WARMUP_SEED_OFFSET)
+
+    results = {}
+    for dtype in args.dtype:
+        results[dtype] = bench_dtype(args, dtype, prompt_sets, warm_prompts, model_path)
+        print_report(dtype, results[dtype])
+
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "wall_s": (datetime.datetime.now().astimezone() - started).total_seconds(),
+        "machine": machine,
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+        "workload": {
+            "requests": args.requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "prompt_ids": (
+                f"uniform in [0, {VOCAB_REGULAR}), torch.Generator seed {args.seed}"
+                " (+ r for repeat r)"
+            ),
+            "sampling": "greedy, ignore_eos (transformers: eos -1 / min_new_tokens)",
+            "one_at_a_time_requests": args.one_at_a_time,
+            "repeats": args.repeats,
+            "warmup": f"{args.requests} other prompts x {WARMUP_TOKENS} tokens per system",
+            "quick": args.quick,
+        },
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
