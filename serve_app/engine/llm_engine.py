@@ -193,7 +193,10 @@ class LLMEngine:
             params = [r.params for r in rows]
             num_top = max((p.logprobs or 0) for p in params)
             need = any(p.logprobs is not None or p.best_of > p.n for p in params)
-            result = self.sampler(logits[logit_rows], rows, num_top=num_top, need_logprobs=need)
+            picked = logits
+            if logit_rows != list(range(logits.shape[0])):  # forks or beams: pick rows
+                picked = logits[logit_rows]
+            result = self.sampler(picked, rows, num_top=num_top, need_logprobs=need)
             for k, (request, seq) in enumerate(owners):
                 logprob = None
                 if result.chosen_logprobs is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from serve_app.engine import attention
-from serve_app.engine.attention import AttentionMetadata
+from serve_app.engine.attention_metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
 from serve_app.engine.sequence import Sequence
@@ -88,61 +88,6 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[Sequence], num_blocks: int) -> torch.Tensor:
-        rows = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table)) for s in seqs]
-        return self._tensor(rows)
-
-    def _metadata(self, seqs: list[Sequence], num_new: list[int]) -> AttentionMetadata:
-        """Metadata for seqs ordered decodes (one new token) first, then prompt chunks."""
-        size = self.block_size
-        slots: list[int] = []
-        for seq, n in zip(seqs, num_new, strict=True):
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
-        nd = sum(1 for n in num_new if n == 1)
-        md = AttentionMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=self._tensor(slots),
-            num_decodes=nd,
-            decode_block_tables=None,
-            decode_mask=None,
-            prefill_index=None,
-            prefill_valid=None,
-            prefill_block_tables=None,
-            prefill_mask=None,
-        )
-        if nd:
-            decodes = seqs[:nd]
-            context = self._tensor([s.num_computed_tokens + 1 for s in decodes])
-            max_blocks = -(-int(context.max()) // size)
-            md.decode_block_tables = self._block_tables(decodes, max_blocks)
-            keys = torch.arange(max_blocks * size, device=self.device)
-            md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
-            md.decode_context_lens = context
-        prompts, lens = seqs[nd:], num_new[nd:]
-        if prompts:
-            q_max = max(lens)
-            starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
-            offsets = torch.arange(q_max)
-            md.prefill_valid = (offsets[None, :] < torch.tensor(lens)[:, None]).to(self.device)
-            index = (starts[:, None] + offsets[None, :]).clamp(max=sum(lens) - 1)
-            md.prefill_index = index.to(self.device)
-            first = self._tensor([s.num_computed_tokens for s in prompts])
-            q_pos = first[:, None] + offsets.to(self.device)[None, :]  # absolute positions
-            q_pos = torch.where(md.prefill_valid, q_pos, 0)  # padding sees key 0 only
-            context = first + self._tensor(lens)
-            md.prefill_query_lens = self._tensor(lens)
-            md.prefill_context_lens = context
-            if any(s.num_computed_tokens for s in prompts):
-                max_blocks = -(-int(context.max()) // size)
-                md.prefill_block_tables = self._block_tables(prompts, max_blocks)
-                keys = torch.arange(max_blocks * size, device=self.device)
-            else:
-                keys = offsets.to(self.device)
-            md.prefill_mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]
-        return md
-
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new: list[int], sample: list[int]) -> torch.Tensor:
         """Run one step; return float32 logits [len(sample), vocab] for seqs[i] in sample."""
@@ -157,7 +102,7 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             last[i] = len(ids) - 1
-        md = self._metadata(seqs, num_new)
+        md = build_metadata(seqs, num_new, self.kv_caches, self.block_size, self.device)
         keep = self._tensor([last[i] for i in sample])
         out = self.model(
             input_ids=self._tensor(ids)[None],

@@ -93,7 +93,6 @@ class Sampler:
         logprobs = None
         if need_logprobs or num_top:
             logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone() if logprobs is None else logits
         penalized = [
             i
             for i, r in enumerate(rows)
@@ -101,13 +100,15 @@ class Sampler:
             or r.params.presence_penalty
             or r.params.frequency_penalty
         ]
+        masked = [i for i, r in enumerate(rows) if r.params.allowed_token_fn is not None]
+        if penalized or masked:
+            logits = logits.clone()  # edited in place below; the caller's tensor stays intact
         if penalized:
             _apply_penalties(logits, rows, penalized)
-        for i, r in enumerate(rows):
-            if r.params.allowed_token_fn is not None:
-                allowed = r.params.allowed_token_fn(r.output_ids)
-                if allowed is not None:
-                    logits[i].masked_fill_(~torch.as_tensor(allowed, device=device), float("-inf"))
+        for i in masked:
+            allowed = rows[i].params.allowed_token_fn(rows[i].output_ids)
+            if allowed is not None:
+                logits[i].masked_fill_(~torch.as_tensor(allowed, device=device), float("-inf"))
         tokens = logits.argmax(dim=1)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:

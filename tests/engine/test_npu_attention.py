@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from serve_app.engine import attention, npu_attention
-from serve_app.engine.model_runner import ModelRunner
+from serve_app.engine.attention_metadata import build_metadata
 
 
 def _attend(q, keys, values, scale, visible):
@@ -157,11 +157,8 @@ CASES = {
 
 
 def _metadata(seqs, num_new, kv_caches, device=torch.device("cpu")):
-    """The real ModelRunner._metadata on a stand-in runner (no model needed)."""
-    runner = SimpleNamespace(block_size=BLOCK_SIZE, kv_caches=kv_caches, device=device)
-    runner._tensor = lambda data, dtype=torch.long: torch.tensor(data, dtype=dtype, device=device)
-    runner._block_tables = lambda s, n: ModelRunner._block_tables(runner, s, n)
-    return ModelRunner._metadata(runner, seqs, num_new)
+    """The metadata the model runner builds for this batch."""
+    return build_metadata(seqs, num_new, kv_caches, BLOCK_SIZE, device)
 
 
 def _batch(generator, decodes, prompts):
@@ -241,11 +238,8 @@ def test_matches_torch_backend_on_real_npu(case, dtype):
 
 def test_rejects_block_size_fia_cannot_page(fake_npu):
     caches = [(torch.zeros(4, 16, 1, 16), torch.zeros(4, 16, 1, 16))]
-    runner = SimpleNamespace(block_size=16, kv_caches=caches, device=torch.device("cpu"))
-    runner._tensor = lambda data, dtype=torch.long: torch.tensor(data, dtype=dtype)
-    runner._block_tables = lambda s, n: ModelRunner._block_tables(runner, s, n)
     seqs = [SimpleNamespace(num_computed_tokens=16, block_table=[0, 1])]
-    md = ModelRunner._metadata(runner, seqs, [4])
+    md = build_metadata(seqs, [4], caches, 16, torch.device("cpu"))
     x = torch.zeros(1, 1, 4, 16)
     with pytest.raises(ValueError, match="multiple of 128"):
         npu_attention.npu_paged_attention(

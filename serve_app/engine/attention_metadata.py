@@ -1,0 +1,103 @@
+"""Per-step attention metadata: built once from the scheduled batch, read by every layer.
+
+Says where each new token's K/V goes in the paged cache (slot mapping) and which cached
+positions each query may see (slots, masks, lengths and block tables, the last two for the NPU
+kernels). The batch lists one-token sequences (decodes) first, then prompt chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    num_decodes: int  # the first num_decodes tokens belong to one-token sequences
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks]
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] True where a key may be seen
+    prefill_index: torch.Tensor | None  # [Bp, Qmax] packed-token index (after the decodes)
+    prefill_valid: torch.Tensor | None  # [Bp, Qmax] real (non-padding) query positions
+    prefill_block_tables: torch.Tensor | None  # [Bp, max_blocks]; None: no cached context
+    prefill_mask: torch.Tensor | None  # [Bp, 1, Qmax, L]
+    # cache slot of every key position each sequence may read (padding reads a valid slot)
+    decode_slots: torch.Tensor | None = None  # [Bd, L]
+    prefill_slots: torch.Tensor | None = None  # [Bp, L]; None: no cached context
+    # NPU backend extras (torch_npu kernels take lengths rather than masks)
+    decode_context_lens: torch.Tensor | None = None
+    prefill_query_lens: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+
+
+def _block_tables(seqs, num_blocks: int, device: torch.device) -> torch.Tensor:
+    rows = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _key_slots(tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Cache slot of key positions 0..length-1 of each sequence: [B, length]."""
+    positions = torch.arange(length, device=tables.device)
+    return tables[:, positions // block_size] * block_size + positions % block_size
+
+
+def build_metadata(
+    seqs, num_new: list[int], kv_caches, block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Metadata for `seqs` (anything with num_computed_tokens and block_table), decodes first."""
+    size = block_size
+
+    def tensor(data):
+        return torch.tensor(data, dtype=torch.long, device=device)
+
+    slots: list[int] = []
+    for seq, n in zip(seqs, num_new, strict=True):
+        start = seq.num_computed_tokens
+        table = seq.block_table
+        slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
+    nd = sum(1 for n in num_new if n == 1)
+    md = AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=tensor(slots),
+        num_decodes=nd,
+        decode_block_tables=None,
+        decode_mask=None,
+        prefill_index=None,
+        prefill_valid=None,
+        prefill_block_tables=None,
+        prefill_mask=None,
+    )
+    if nd:
+        decodes = seqs[:nd]
+        lengths = [s.num_computed_tokens + 1 for s in decodes]
+        context = tensor(lengths)
+        md.decode_block_tables = _block_tables(decodes, -(-max(lengths) // size), device)
+        md.decode_slots = _key_slots(md.decode_block_tables, max(lengths), size)
+        keys = torch.arange(max(lengths), device=device)
+        md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
+        md.decode_context_lens = context
+    prompts, lens = seqs[nd:], num_new[nd:]
+    if prompts:
+        q_max = max(lens)
+        starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+        offsets = torch.arange(q_max)
+        md.prefill_valid = (offsets[None, :] < torch.tensor(lens)[:, None]).to(device)
+        index = (starts[:, None] + offsets[None, :]).clamp(max=sum(lens) - 1)
+        md.prefill_index = index.to(device)
+        first = tensor([s.num_computed_tokens for s in prompts])
+        q_pos = first[:, None] + offsets.to(device)[None, :]  # absolute positions
+        q_pos = torch.where(md.prefill_valid, q_pos, 0)  # padding sees key 0 only
+        context = first + tensor(lens)
+        md.prefill_query_lens = tensor(lens)
+        md.prefill_context_lens = context
+        if any(s.num_computed_tokens for s in prompts):
+            longest = max(s.num_computed_tokens + n for s, n in zip(prompts, lens, strict=True))
+            md.prefill_block_tables = _block_tables(prompts, -(-longest // size), device)
+            md.prefill_slots = _key_slots(md.prefill_block_tables, longest, size)
+            keys = torch.arange(longest, device=device)
+        else:
+            keys = offsets.to(device)
+        md.prefill_mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]
+    return md
