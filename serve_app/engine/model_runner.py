@@ -27,6 +27,7 @@ class ModelRunner:
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.hf_config = self.model.config
         self.model.set_attn_implementation(self._attention_backend())
+        self.lm_head_weight = self._plain_lm_head()
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv()
@@ -39,6 +40,16 @@ class ModelRunner:
 
             return npu_attention.register()
         return attention.register()
+
+    def _plain_lm_head(self) -> torch.Tensor | None:
+        """The LM head's weight when logits are just hidden @ W^T, else None."""
+        head, cfg = self.model.get_output_embeddings(), self.hf_config
+        extras = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            return None
+        if any(getattr(cfg, name, None) not in (None, 1.0) for name in extras):
+            return None
+        return head.weight
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -104,11 +115,16 @@ class ModelRunner:
             last[i] = len(ids) - 1
         md = build_metadata(seqs, num_new, self.kv_caches, self.block_size, self.device)
         keep = self._tensor([last[i] for i in sample])
-        out = self.model(
+        inputs = dict(
             input_ids=self._tensor(ids)[None],
             position_ids=self._tensor(positions)[None],
             attn_metadata=md,
-            logits_to_keep=keep,
             use_cache=False,
         )
-        return out.logits[0].float()
+        if self.lm_head_weight is None:  # a head with extras (scaling, capping): the model's own
+            return self.model(**inputs, logits_to_keep=keep).logits[0].float()
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state[0, keep]
+        if self.dtype == torch.float32 and self.device.type == "cpu":
+            # W @ h^T rather than h @ W^T: a third faster for fp32 GEMM on CPU at these shapes.
+            return (self.lm_head_weight @ hidden.T).T.contiguous()
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
