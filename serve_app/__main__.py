@@ -28,15 +28,18 @@ def main() -> None:
         for q in questions
     ]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=0,
-                                                   max_tokens=args.max_tokens))
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=args.max_tokens)
+    )
     elapsed = time.perf_counter() - start
     for question, output in zip(questions, outputs, strict=True):
         completion = output.outputs[0]
         print(f"\n> {question}\n{completion.text!r}  [{completion.finish_reason.value}]")
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"\n{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.1f} tokens/s, "
-          f"{llm.engine.runner.device}, {llm.engine.runner.dtype})")
+    print(
+        f"\n{produced} tokens in {elapsed:.2f} s ({produced / elapsed:.1f} tokens/s, "
+        f"{llm.engine.runner.device}, {llm.engine.runner.dtype})"
+    )
 
 
 if __name__ == "__main__":

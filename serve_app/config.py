@@ -43,22 +43,47 @@ class ServerConfig(BaseModel):
     model_config = _FROZEN
 
     ipAddress: str = Field("127.0.0.1", description="Address the business port listens on.")
-    port: int = Field(8000, ge=1, le=65535, description=(
-        "Business (inference) port. Our default is 8000, Ray Serve's HTTP port; MindIE's is 1025."))
+    port: int = Field(
+        8000,
+        ge=1,
+        le=65535,
+        description=(
+            "Business (inference) port. Our default is 8000, Ray Serve's HTTP port; "
+            "MindIE's is 1025."
+        ),
+    )
     managementPort: int = Field(1026, ge=1, le=65535, description="Management port.")
     metricsPort: int = Field(1027, ge=1, le=65535, description="Prometheus metrics port.")
-    maxLinkNum: int = Field(1000, ge=1, le=4096, description=(
-        "Requests served at once; twice as many more may queue, the rest are refused."))
-    httpsEnabled: bool = Field(False, description=(
-        "TLS on the business port. Default false (MindIE: true): we serve plain HTTP through Ray "
-        "Serve; terminate TLS in front of it."))
+    maxLinkNum: int = Field(
+        1000,
+        ge=1,
+        le=4096,
+        description=(
+            "Requests served at once; twice as many more may queue, the rest are refused."
+        ),
+    )
+    httpsEnabled: bool = Field(
+        False,
+        description=(
+            "TLS on the business port. Default false (MindIE: true): we serve plain HTTP "
+            "through Ray Serve; terminate TLS in front of it."
+        ),
+    )
     fullTextEnabled: bool = Field(False, description="Stream chunks carry the whole text so far.")
-    inferMode: Literal["standard", "dmi"] = Field("standard", description=(
-        "standard: prefill and decode on one instance; dmi: prefill/decode separation."))
+    inferMode: Literal["standard", "dmi"] = Field(
+        "standard",
+        description=(
+            "standard: prefill and decode on one instance; dmi: prefill/decode separation."
+        ),
+    )
     interCommPort: int = Field(1121, ge=1, le=65535, description="Port for intra-cluster traffic.")
     openAiSupport: Literal["vllm"] = Field("vllm", description="OpenAI API dialect; only vllm.")
-    tokenTimeout: int = Field(600, ge=1, le=3600, description=(
-        "Longest gap between two tokens of one request, in seconds."))
+    tokenTimeout: int = Field(
+        600,
+        ge=1,
+        le=3600,
+        description=("Longest gap between two tokens of one request, in seconds."),
+    )
     e2eTimeout: int = Field(600, ge=1, le=65535, description="Longest life of a request, seconds.")
     maxRequestLength: int = Field(40, ge=1, le=100, description="Largest request body, in MB.")
 
@@ -75,30 +100,58 @@ class ServerConfig(BaseModel):
 class ModelConfig(BaseModel):
     model_config = _FROZEN
 
-    modelName: str = Field("demo", min_length=1, max_length=256, description=(
-        "Name clients send as `model`: letters, digits, '-', '.', '_', not starting or ending "
-        "with '-', '.', '_'; at most 256 characters."))
-    modelWeightPath: str = Field("demo", min_length=1, description=(
-        "Folder of Hugging Face safetensors weights, or 'demo' / 'demo-tiny' for the built-in "
-        "demo model."))
+    modelName: str = Field(
+        "demo",
+        min_length=1,
+        max_length=256,
+        description=(
+            "Name clients send as `model`: letters, digits, '-', '.', '_', not starting or ending "
+            "with '-', '.', '_'; at most 256 characters."
+        ),
+    )
+    modelWeightPath: str = Field(
+        "demo",
+        min_length=1,
+        description=(
+            "Folder of Hugging Face safetensors weights, or 'demo' / 'demo-tiny' for the built-in "
+            "demo model."
+        ),
+    )
     worldSize: int = Field(1, ge=1, description="Devices one model instance spans.")
     cpuMemSize: int = Field(5, ge=0, description="Host memory for swapped-out KV cache, in GB.")
-    npuMemSize: float = Field(-1, description=(
-        "KV cache per replica, in GB; -1 = auto (80% of free device memory, 2 GB on CPU)."))
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
-        "(extension) Weight and activation dtype; auto = the checkpoint's torch_dtype."))
-    device: Literal["auto", "npu", "cuda", "cpu"] = Field("auto", description=(
-        "(extension) Device to run on; auto = npu if present, else cuda, else cpu."))
-    trustRemoteCode: bool = Field(False, description=(
-        "(extension) Allow model code shipped with the weights (transformers trust_remote_code)."))
+    npuMemSize: float = Field(
+        -1,
+        description=(
+            "KV cache per replica, in GB; -1 = auto (80% of free device memory, 2 GB on CPU)."
+        ),
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description=(
+            "(extension) Weight and activation dtype; auto = the checkpoint's torch_dtype."
+        ),
+    )
+    device: Literal["auto", "npu", "cuda", "cpu"] = Field(
+        "auto",
+        description=("(extension) Device to run on; auto = npu if present, else cuda, else cpu."),
+    )
+    trustRemoteCode: bool = Field(
+        False,
+        description=(
+            "(extension) Allow model code shipped with the weights "
+            "(transformers trust_remote_code)."
+        ),
+    )
 
     @field_validator("modelName")
     @classmethod
     def _name(cls, value: str) -> str:
         allowed = all(c.isascii() and (c.isalnum() or c in "-._") for c in value)
         if not allowed or value[0] in "-._" or value[-1] in "-._":
-            raise ValueError(f"{value!r} must be letters, digits, '-', '.', '_' and must not "
-                             "start or end with '-', '.', '_'")
+            raise ValueError(
+                f"{value!r} must be letters, digits, '-', '.', '_' and must not "
+                "start or end with '-', '.', '_'"
+            )
         return value
 
     @field_validator("npuMemSize")
@@ -116,11 +169,20 @@ class ModelDeployConfig(BaseModel):
     model_config = _FROZEN
 
     maxSeqLen: int = Field(2560, ge=1, description="Longest sequence, prompt plus output, tokens.")
-    maxInputTokenLen: int = Field(2048, ge=1, le=4194304, description=(
-        "Longest prompt in tokens; the effective limit is min(maxInputTokenLen, maxSeqLen - 1)."))
+    maxInputTokenLen: int = Field(
+        2048,
+        ge=1,
+        le=4194304,
+        description=(
+            "Longest prompt in tokens; the effective limit is min(maxInputTokenLen, maxSeqLen - 1)."
+        ),
+    )
     truncation: bool = Field(False, description="Too-long prompts: true = cut, false = reject.")
-    ModelConfig: tuple[_ModelConfig, ...] = Field((_ModelConfig(),), min_length=1, description=(
-        "Models served (at least one); the default is the built-in demo model."))
+    ModelConfig: tuple[_ModelConfig, ...] = Field(
+        (_ModelConfig(),),
+        min_length=1,
+        description=("Models served (at least one); the default is the built-in demo model."),
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> ModelDeployConfig:
@@ -131,7 +193,8 @@ class ModelDeployConfig(BaseModel):
                 problems.append(
                     f"{_DEPLOY}.ModelConfig[{i}].modelName ({model.modelName!r}) repeats "
                     f"{_DEPLOY}.ModelConfig[{seen[model.modelName]}].modelName; names must be "
-                    "unique")
+                    "unique"
+                )
             seen.setdefault(model.modelName, i)
         _cross_check(problems)
         return self
@@ -140,40 +203,68 @@ class ModelDeployConfig(BaseModel):
 class ScheduleConfig(BaseModel):
     model_config = _FROZEN
 
-    templateType: Literal["Standard", "Mix"] = Field("Standard", description=(
-        "Standard: prefill and decode in separate steps; Mix: SplitFuse (ignored with dmi)."))
+    templateType: Literal["Standard", "Mix"] = Field(
+        "Standard",
+        description=(
+            "Standard: prefill and decode in separate steps; Mix: SplitFuse (ignored with dmi)."
+        ),
+    )
     cacheBlockSize: int = Field(128, ge=1, le=128, description="Tokens per KV cache block.")
     maxPrefillBatchSize: int = Field(50, ge=1, description="Most requests in one prefill step.")
     maxPrefillTokens: int = Field(8192, ge=1, description="Most prompt tokens in one prefill step.")
-    prefillTimeMsPerReq: int = Field(150, ge=0, description=(
-        "Expected prefill time per request, ms (used by supportSelectBatch)."))
-    decodeTimeMsPerReq: int = Field(50, ge=0, description=(
-        "Expected decode time per request, ms (used by supportSelectBatch)."))
-    prefillPolicyType: int = Field(0, ge=0, le=3, description=(
-        "Prefill queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ."))
-    decodePolicyType: int = Field(0, ge=0, le=3, description=(
-        "Decode queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ."))
+    prefillTimeMsPerReq: int = Field(
+        150,
+        ge=0,
+        description=("Expected prefill time per request, ms (used by supportSelectBatch)."),
+    )
+    decodeTimeMsPerReq: int = Field(
+        50, ge=0, description=("Expected decode time per request, ms (used by supportSelectBatch).")
+    )
+    prefillPolicyType: int = Field(
+        0, ge=0, le=3, description=("Prefill queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.")
+    )
+    decodePolicyType: int = Field(
+        0, ge=0, le=3, description=("Decode queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.")
+    )
     maxBatchSize: int = Field(200, ge=1, le=5000, description="Most requests in one decode step.")
     maxIterTimes: int = Field(512, ge=1, description="Most tokens generated for one request.")
-    maxPreemptCount: int = Field(0, ge=0, description=(
-        "Most requests preempted (swapped to host memory) at once; > 0 needs cpuMemSize > 0."))
-    supportSelectBatch: bool = Field(False, description=(
-        "Choose prefill or decode steps by the per-request time estimates."))
-    maxQueueDelayMicroseconds: int = Field(5000, ge=0, description=(
-        "Longest wait to fill a batch, in microseconds."))
-    maxFirstTokenWaitTime: int = Field(2500, ge=0, description=(
-        "Longest wait for a first token before prefill is favoured, in ms."))
-    kvCacheBlocks: int = Field(0, ge=0, description=(
-        "(extension) KV pool size in blocks, used on CPU; 0 = derive from npuMemSize."))
-    enablePrefixCaching: bool = Field(True, description=(
-        "(extension) Reuse KV cache blocks of identical prompt prefixes."))
+    maxPreemptCount: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Most requests preempted (swapped to host memory) at once; > 0 needs cpuMemSize > 0."
+        ),
+    )
+    supportSelectBatch: bool = Field(
+        False, description=("Choose prefill or decode steps by the per-request time estimates.")
+    )
+    maxQueueDelayMicroseconds: int = Field(
+        5000, ge=0, description=("Longest wait to fill a batch, in microseconds.")
+    )
+    maxFirstTokenWaitTime: int = Field(
+        2500,
+        ge=0,
+        description=("Longest wait for a first token before prefill is favoured, in ms."),
+    )
+    kvCacheBlocks: int = Field(
+        0,
+        ge=0,
+        description=(
+            "(extension) KV pool size in blocks, used on CPU; 0 = derive from npuMemSize."
+        ),
+    )
+    enablePrefixCaching: bool = Field(
+        True, description=("(extension) Reuse KV cache blocks of identical prompt prefixes.")
+    )
 
     @model_validator(mode="after")
     def _limits(self) -> ScheduleConfig:
         problems = [
             f"{_SCHED}.{key} ({value}) must be <= {_SCHED}.maxBatchSize ({self.maxBatchSize})"
-            for key, value in (("maxPrefillBatchSize", self.maxPrefillBatchSize),
-                               ("maxPreemptCount", self.maxPreemptCount))
+            for key, value in (
+                ("maxPrefillBatchSize", self.maxPrefillBatchSize),
+                ("maxPreemptCount", self.maxPreemptCount),
+            )
             if value > self.maxBatchSize
         ]
         _cross_check(problems)
@@ -187,28 +278,36 @@ class BackendConfig(BaseModel):
     model_config = _FROZEN
 
     npuDeviceIds: tuple[tuple[Annotated[int, Field(ge=0)], ...], ...] = Field(
-        ((0,),), min_length=1, description="Logical device ids, one list per model instance.")
+        ((0,),), min_length=1, description="Logical device ids, one list per model instance."
+    )
     tokenizerProcessNumber: int = Field(8, ge=1, le=32, description="Tokenizer processes.")
     multiNodesInferEnabled: bool = Field(False, description="One model instance spans nodes.")
     ModelDeployConfig: _ModelDeployConfig = Field(
-        default_factory=_ModelDeployConfig, description="Sequence limits and the models served.")
+        default_factory=_ModelDeployConfig, description="Sequence limits and the models served."
+    )
     ScheduleConfig: _ScheduleConfig = Field(
-        default_factory=_ScheduleConfig, description="Batching and KV cache scheduling.")
+        default_factory=_ScheduleConfig, description="Batching and KV cache scheduling."
+    )
 
     @model_validator(mode="after")
     def _cross(self) -> BackendConfig:
         deploy, sched, problems = self.ModelDeployConfig, self.ScheduleConfig, []
         if sched.maxPrefillTokens < deploy.maxInputTokenLen:
-            problems.append(f"{_SCHED}.maxPrefillTokens ({sched.maxPrefillTokens}) must be >= "
-                            f"{_DEPLOY}.maxInputTokenLen ({deploy.maxInputTokenLen})")
+            problems.append(
+                f"{_SCHED}.maxPrefillTokens ({sched.maxPrefillTokens}) must be >= "
+                f"{_DEPLOY}.maxInputTokenLen ({deploy.maxInputTokenLen})"
+            )
         if sched.maxIterTimes > deploy.maxSeqLen:
-            problems.append(f"{_SCHED}.maxIterTimes ({sched.maxIterTimes}) must be <= "
-                            f"{_DEPLOY}.maxSeqLen ({deploy.maxSeqLen})")
+            problems.append(
+                f"{_SCHED}.maxIterTimes ({sched.maxIterTimes}) must be <= "
+                f"{_DEPLOY}.maxSeqLen ({deploy.maxSeqLen})"
+            )
         if sched.maxPreemptCount > 0:
             problems += [
                 f"{_SCHED}.maxPreemptCount ({sched.maxPreemptCount}) > 0 requires "
                 f"{_DEPLOY}.ModelConfig[{i}].cpuMemSize > 0 (got {model.cpuMemSize})"
-                for i, model in enumerate(deploy.ModelConfig) if model.cpuMemSize <= 0
+                for i, model in enumerate(deploy.ModelConfig)
+                if model.cpuMemSize <= 0
             ]
         _cross_check(problems)
         return self
@@ -223,9 +322,11 @@ class AppConfig(BaseModel):
     model_config = _FROZEN
 
     ServerConfig: _ServerConfig = Field(
-        default_factory=_ServerConfig, description="HTTP front end: address, limits, timeouts.")
+        default_factory=_ServerConfig, description="HTTP front end: address, limits, timeouts."
+    )
     BackendConfig: _BackendConfig = Field(
-        default_factory=_BackendConfig, description="Devices, models and scheduling.")
+        default_factory=_BackendConfig, description="Devices, models and scheduling."
+    )
 
     def engine_config(self, model_index: int = 0) -> EngineConfig:
         """The frozen engine settings for ModelConfig[model_index]."""
@@ -236,13 +337,20 @@ class AppConfig(BaseModel):
             raise IndexError(f"{_DEPLOY}.ModelConfig has no item {model_index}")
         model = deploy.ModelConfig[model_index]
         config = EngineConfig(
-            model=model.modelWeightPath, model_name=model.modelName, dtype=model.dtype,
-            device=model.device, max_seq_len=deploy.maxSeqLen,
-            max_input_token_len=deploy.maxInputTokenLen, truncation=deploy.truncation,
-            max_iter_times=sched.maxIterTimes, max_batch_size=sched.maxBatchSize,
+            model=model.modelWeightPath,
+            model_name=model.modelName,
+            dtype=model.dtype,
+            device=model.device,
+            max_seq_len=deploy.maxSeqLen,
+            max_input_token_len=deploy.maxInputTokenLen,
+            truncation=deploy.truncation,
+            max_iter_times=sched.maxIterTimes,
+            max_batch_size=sched.maxBatchSize,
             max_prefill_batch_size=sched.maxPrefillBatchSize,
-            max_prefill_tokens=sched.maxPrefillTokens, block_size=sched.cacheBlockSize,
-            num_kv_blocks=sched.kvCacheBlocks, kv_cache_mem_gb=float(model.npuMemSize),
+            max_prefill_tokens=sched.maxPrefillTokens,
+            block_size=sched.cacheBlockSize,
+            num_kv_blocks=sched.kvCacheBlocks,
+            kv_cache_mem_gb=float(model.npuMemSize),
             enable_prefix_caching=sched.enablePrefixCaching,
             token_timeout_s=float(self.ServerConfig.tokenTimeout),
             e2e_timeout_s=float(self.ServerConfig.e2eTimeout),
@@ -252,8 +360,17 @@ class AppConfig(BaseModel):
 
 
 # Each section is a field named like its class, so the last name in a path names its class.
-_SECTIONS = {c.__name__: c for c in (AppConfig, ServerConfig, BackendConfig, ModelDeployConfig,
-                                     ModelConfig, ScheduleConfig)}
+_SECTIONS = {
+    c.__name__: c
+    for c in (
+        AppConfig,
+        ServerConfig,
+        BackendConfig,
+        ModelDeployConfig,
+        ModelConfig,
+        ScheduleConfig,
+    )
+}
 
 
 def load_config(source: dict | str | Path | None = None) -> AppConfig:
@@ -274,8 +391,11 @@ def load_config(source: dict | str | Path | None = None) -> AppConfig:
         errors = exc.errors()
         failed = {error["loc"][:i] for error in errors for i in range(len(error["loc"]))}
         # pydantic also calls a sequence "too short" when one of its items failed: noise
-        lines = [_describe(error) for error in errors
-                 if not (error["type"] == "too_short" and error["loc"] in failed)]
+        lines = [
+            _describe(error)
+            for error in errors
+            if not (error["type"] == "too_short" and error["loc"] in failed)
+        ]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
@@ -308,8 +428,11 @@ def _describe(error: dict) -> str:
         section = next((p for p in reversed(loc[:-1]) if isinstance(p, str)), "AppConfig")
         known = list(_SECTIONS[section].model_fields) if section in _SECTIONS else []
         close = difflib.get_close_matches(key, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else (
-            f" (known keys: {', '.join(known)})" if known else "")
+        hint = (
+            f" (did you mean {close[0]!r}?)"
+            if close
+            else (f" (known keys: {', '.join(known)})" if known else "")
+        )
         return f"{path}: unknown key {key!r} {where}{hint}"
     message = error["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
     for words, sign in (("greater than or equal to", ">="), ("less than or equal to", "<=")):

@@ -36,8 +36,12 @@ def hf_greedy(hf_demo, prompts):
     with torch.inference_mode():
         for ids in prompts:
             out = hf_demo.generate(
-                torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                output_logits=True, return_dict_in_generate=True,
+                torch.tensor([ids]),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
             chosen = out.sequences[0, len(ids) :]
             steps = torch.cat(out.logits).float().log_softmax(-1)

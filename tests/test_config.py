@@ -77,15 +77,19 @@ FILE_CONFIG = {
     "ServerConfig": {"port": 9000, "tokenTimeout": 30},
     "BackendConfig": {
         "npuDeviceIds": [[0, 1]],
-        "ModelDeployConfig": {"maxSeqLen": 1024, "maxInputTokenLen": 512,
-                              "ModelConfig": [{"modelName": "qwen", "modelWeightPath": "/w"}]},
+        "ModelDeployConfig": {
+            "maxSeqLen": 1024,
+            "maxInputTokenLen": 512,
+            "ModelConfig": [{"modelName": "qwen", "modelWeightPath": "/w"}],
+        },
         "ScheduleConfig": {"maxBatchSize": 64, "maxIterTimes": 256},
     },
 }
 
 
-@pytest.mark.parametrize("suffix, dump", [(".yaml", yaml.safe_dump), (".yml", yaml.safe_dump),
-                                          (".json", json.dumps)])
+@pytest.mark.parametrize(
+    "suffix, dump", [(".yaml", yaml.safe_dump), (".yml", yaml.safe_dump), (".json", json.dumps)]
+)
 def test_file_sources(tmp_path, suffix, dump):
     path = tmp_path / f"config{suffix}"
     path.write_text(dump(FILE_CONFIG))
@@ -104,10 +108,15 @@ def test_empty_file_means_defaults(tmp_path):
     assert load_config(path) == AppConfig()
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("[1, 2]", "must be a mapping"), ("a: [", "is not valid"), ("{", "is not valid"),
-    (None, "cannot read config file"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[1, 2]", "must be a mapping"),
+        ("a: [", "is not valid"),
+        ("{", "is not valid"),
+        (None, "cannot read config file"),
+    ],
+)
 def test_bad_files(tmp_path, text, expected):
     path = tmp_path / ("config.json" if text == "{" else "config.yaml")
     if text is not None:
@@ -122,13 +131,19 @@ def test_bad_source_type():
 # ---- unknown keys -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, path, where", [
-    ({"Foo": 1}, "Foo", "at the top level"),
-    ({"ServerConfig": {"prot": 1}}, "ServerConfig.prot", "in ServerConfig"),
-    (config(**{f"{SCHED}.maxBatchSiz": 3}), f"{SCHED}.maxBatchSiz", f"in {SCHED}"),
-    (config(**{f"{DEPLOY}.ModelConfig.bogus": 1}), f"{DEPLOY}.ModelConfig[0].bogus",
-     f"in {DEPLOY}.ModelConfig[0]"),
-])
+@pytest.mark.parametrize(
+    "args, path, where",
+    [
+        ({"Foo": 1}, "Foo", "at the top level"),
+        ({"ServerConfig": {"prot": 1}}, "ServerConfig.prot", "in ServerConfig"),
+        (config(**{f"{SCHED}.maxBatchSiz": 3}), f"{SCHED}.maxBatchSiz", f"in {SCHED}"),
+        (
+            config(**{f"{DEPLOY}.ModelConfig.bogus": 1}),
+            f"{DEPLOY}.ModelConfig[0].bogus",
+            f"in {DEPLOY}.ModelConfig[0]",
+        ),
+    ],
+)
 def test_unknown_keys(args, path, where):
     key = path.rsplit(".", 1)[-1]
     assert f"{path}: unknown key '{key}' {where}" in error_of(args)
@@ -140,8 +155,9 @@ def test_unknown_key_hints():
 
 
 def test_every_problem_is_listed():
-    message = error_of(config(**{f"{SCHED}.nope": 1, f"{SCHED}.maxBatchSize": 0,
-                                 "ServerConfig.port": "x"}))
+    message = error_of(
+        config(**{f"{SCHED}.nope": 1, f"{SCHED}.maxBatchSize": 0, "ServerConfig.port": "x"})
+    )
     lines = message.splitlines()[1:]
     assert len(lines) == 3
     assert any(line.strip().startswith(f"{SCHED}.maxBatchSize: must be >= 1") for line in lines)
@@ -183,27 +199,33 @@ def test_ranges(key, low, high, others):
         assert f"{path}: must be >= {low} (got {low - 1})" in message
 
 
-@pytest.mark.parametrize("key, value", [
-    ("ServerConfig.inferMode", "pd"),
-    ("ServerConfig.ipAddress", "localhost:80"),
-    ("ServerConfig.port", 0),
-    ("ServerConfig.port", 65536),
-    (f"{SCHED}.templateType", "standard"),
-    (f"{DEPLOY}.ModelConfig.dtype", "int8"),
-    (f"{DEPLOY}.ModelConfig.device", "tpu"),
-    (f"{DEPLOY}.ModelConfig.npuMemSize", 0),
-    (f"{DEPLOY}.ModelConfig.npuMemSize", -2),
-    ("BackendConfig.npuDeviceIds", [[-1]]),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("ServerConfig.inferMode", "pd"),
+        ("ServerConfig.ipAddress", "localhost:80"),
+        ("ServerConfig.port", 0),
+        ("ServerConfig.port", 65536),
+        (f"{SCHED}.templateType", "standard"),
+        (f"{DEPLOY}.ModelConfig.dtype", "int8"),
+        (f"{DEPLOY}.ModelConfig.device", "tpu"),
+        (f"{DEPLOY}.ModelConfig.npuMemSize", 0),
+        (f"{DEPLOY}.ModelConfig.npuMemSize", -2),
+        ("BackendConfig.npuDeviceIds", [[-1]]),
+    ],
+)
 def test_bad_values(key, value):
     path = key.replace("ModelConfig.", "ModelConfig[0].")
     assert f"\n  {path}" in error_of(config(**{key: value}))
 
 
-@pytest.mark.parametrize("args, key", [
-    ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": []}}}, f"{DEPLOY}.ModelConfig"),
-    ({"BackendConfig": {"npuDeviceIds": []}}, "BackendConfig.npuDeviceIds"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": []}}}, f"{DEPLOY}.ModelConfig"),
+        ({"BackendConfig": {"npuDeviceIds": []}}, "BackendConfig.npuDeviceIds"),
+    ],
+)
 def test_empty_lists(args, key):
     assert f"{key}: must have at least 1 item" in error_of(args)
 
@@ -228,32 +250,44 @@ def test_model_name_ok(name):
     assert cfg.BackendConfig.ModelDeployConfig.ModelConfig[0].modelName == name
 
 
-@pytest.mark.parametrize("name", ["", "-a", "a-", ".a", "a.", "_a", "a_", "a b", "a/b", "é",
-                                  "x" * 257])
+@pytest.mark.parametrize(
+    "name", ["", "-a", "a-", ".a", "a.", "_a", "a_", "a b", "a/b", "é", "x" * 257]
+)
 def test_model_name_bad(name):
     assert f"{DEPLOY}.ModelConfig[0].modelName:" in error_of(
-        config(**{f"{DEPLOY}.ModelConfig.modelName": name}))
+        config(**{f"{DEPLOY}.ModelConfig.modelName": name})
+    )
 
 
 # ---- cross checks -------------------------------------------------------------------------------
 
 
 CROSS = [  # (failing values, passing values at the boundary, both keys named in the message)
-    ({f"{SCHED}.maxPrefillTokens": 1024, f"{DEPLOY}.maxInputTokenLen": 1025},
-     {f"{SCHED}.maxPrefillTokens": 1024, f"{DEPLOY}.maxInputTokenLen": 1024},
-     f"{SCHED}.maxPrefillTokens (1024) must be >= {DEPLOY}.maxInputTokenLen (1025)"),
-    ({f"{SCHED}.maxIterTimes": 101, f"{DEPLOY}.maxSeqLen": 100},
-     {f"{SCHED}.maxIterTimes": 100, f"{DEPLOY}.maxSeqLen": 100},
-     f"{SCHED}.maxIterTimes (101) must be <= {DEPLOY}.maxSeqLen (100)"),
-    ({f"{SCHED}.maxPrefillBatchSize": 9, f"{SCHED}.maxBatchSize": 8},
-     {f"{SCHED}.maxPrefillBatchSize": 8, f"{SCHED}.maxBatchSize": 8},
-     f"{SCHED}.maxPrefillBatchSize (9) must be <= {SCHED}.maxBatchSize (8)"),
-    ({f"{SCHED}.maxPreemptCount": 201, f"{SCHED}.maxBatchSize": 200},
-     {f"{SCHED}.maxPreemptCount": 200, f"{SCHED}.maxBatchSize": 200},
-     f"{SCHED}.maxPreemptCount (201) must be <= {SCHED}.maxBatchSize (200)"),
-    ({f"{SCHED}.maxPreemptCount": 1, f"{DEPLOY}.ModelConfig.cpuMemSize": 0},
-     {f"{SCHED}.maxPreemptCount": 0, f"{DEPLOY}.ModelConfig.cpuMemSize": 0},
-     f"{SCHED}.maxPreemptCount (1) > 0 requires {DEPLOY}.ModelConfig[0].cpuMemSize > 0 (got 0)"),
+    (
+        {f"{SCHED}.maxPrefillTokens": 1024, f"{DEPLOY}.maxInputTokenLen": 1025},
+        {f"{SCHED}.maxPrefillTokens": 1024, f"{DEPLOY}.maxInputTokenLen": 1024},
+        f"{SCHED}.maxPrefillTokens (1024) must be >= {DEPLOY}.maxInputTokenLen (1025)",
+    ),
+    (
+        {f"{SCHED}.maxIterTimes": 101, f"{DEPLOY}.maxSeqLen": 100},
+        {f"{SCHED}.maxIterTimes": 100, f"{DEPLOY}.maxSeqLen": 100},
+        f"{SCHED}.maxIterTimes (101) must be <= {DEPLOY}.maxSeqLen (100)",
+    ),
+    (
+        {f"{SCHED}.maxPrefillBatchSize": 9, f"{SCHED}.maxBatchSize": 8},
+        {f"{SCHED}.maxPrefillBatchSize": 8, f"{SCHED}.maxBatchSize": 8},
+        f"{SCHED}.maxPrefillBatchSize (9) must be <= {SCHED}.maxBatchSize (8)",
+    ),
+    (
+        {f"{SCHED}.maxPreemptCount": 201, f"{SCHED}.maxBatchSize": 200},
+        {f"{SCHED}.maxPreemptCount": 200, f"{SCHED}.maxBatchSize": 200},
+        f"{SCHED}.maxPreemptCount (201) must be <= {SCHED}.maxBatchSize (200)",
+    ),
+    (
+        {f"{SCHED}.maxPreemptCount": 1, f"{DEPLOY}.ModelConfig.cpuMemSize": 0},
+        {f"{SCHED}.maxPreemptCount": 0, f"{DEPLOY}.ModelConfig.cpuMemSize": 0},
+        f"{SCHED}.maxPreemptCount (1) > 0 requires {DEPLOY}.ModelConfig[0].cpuMemSize > 0 (got 0)",
+    ),
 ]
 
 
@@ -270,8 +304,12 @@ def test_cross_checks_all_reported():
 
 def test_preempt_needs_cpu_mem_on_every_model():
     models = [{"modelName": "a", "cpuMemSize": 1}, {"modelName": "b", "cpuMemSize": 0}]
-    args = {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": models},
-                              "ScheduleConfig": {"maxPreemptCount": 1}}}
+    args = {
+        "BackendConfig": {
+            "ModelDeployConfig": {"ModelConfig": models},
+            "ScheduleConfig": {"maxPreemptCount": 1},
+        }
+    }
     message = error_of(args)
     assert f"{DEPLOY}.ModelConfig[1].cpuMemSize" in message
     assert f"{DEPLOY}.ModelConfig[0].cpuMemSize" not in message
@@ -292,28 +330,58 @@ def test_model_names_unique():
 def test_engine_config_maps_every_field():
     from serve_app.engine.config import EngineConfig
 
-    models = [{"modelName": "first"},
-              {"modelName": "second", "modelWeightPath": "/weights/q", "dtype": "bfloat16",
-               "device": "cpu", "npuMemSize": 3}]
-    cfg = load_config({
-        "ServerConfig": {"tokenTimeout": 7, "e2eTimeout": 70},
-        "BackendConfig": {
-            "ModelDeployConfig": {"maxSeqLen": 1000, "maxInputTokenLen": 900,
-                                  "truncation": True, "ModelConfig": models},
-            "ScheduleConfig": {"maxIterTimes": 300, "maxBatchSize": 40,
-                               "maxPrefillBatchSize": 5, "maxPrefillTokens": 4000,
-                               "cacheBlockSize": 16, "kvCacheBlocks": 99,
-                               "enablePrefixCaching": False},
+    models = [
+        {"modelName": "first"},
+        {
+            "modelName": "second",
+            "modelWeightPath": "/weights/q",
+            "dtype": "bfloat16",
+            "device": "cpu",
+            "npuMemSize": 3,
         },
-    })
+    ]
+    cfg = load_config(
+        {
+            "ServerConfig": {"tokenTimeout": 7, "e2eTimeout": 70},
+            "BackendConfig": {
+                "ModelDeployConfig": {
+                    "maxSeqLen": 1000,
+                    "maxInputTokenLen": 900,
+                    "truncation": True,
+                    "ModelConfig": models,
+                },
+                "ScheduleConfig": {
+                    "maxIterTimes": 300,
+                    "maxBatchSize": 40,
+                    "maxPrefillBatchSize": 5,
+                    "maxPrefillTokens": 4000,
+                    "cacheBlockSize": 16,
+                    "kvCacheBlocks": 99,
+                    "enablePrefixCaching": False,
+                },
+            },
+        }
+    )
     engine = cfg.engine_config(1)
     assert isinstance(engine, EngineConfig)
     assert engine == EngineConfig(
-        model="/weights/q", model_name="second", dtype="bfloat16", device="cpu",
-        max_seq_len=1000, max_input_token_len=900, truncation=True, max_iter_times=300,
-        max_batch_size=40, max_prefill_batch_size=5, max_prefill_tokens=4000, block_size=16,
-        num_kv_blocks=99, kv_cache_mem_gb=3.0, enable_prefix_caching=False,
-        token_timeout_s=7.0, e2e_timeout_s=70.0,
+        model="/weights/q",
+        model_name="second",
+        dtype="bfloat16",
+        device="cpu",
+        max_seq_len=1000,
+        max_input_token_len=900,
+        truncation=True,
+        max_iter_times=300,
+        max_batch_size=40,
+        max_prefill_batch_size=5,
+        max_prefill_tokens=4000,
+        block_size=16,
+        num_kv_blocks=99,
+        kv_cache_mem_gb=3.0,
+        enable_prefix_caching=False,
+        token_timeout_s=7.0,
+        e2e_timeout_s=70.0,
     )
     assert cfg.engine_config().model_name == "first"
     assert load_config().engine_config() == EngineConfig()
@@ -321,12 +389,15 @@ def test_engine_config_maps_every_field():
         cfg.engine_config(2)
 
 
-@pytest.mark.parametrize("get, attr", [
-    (lambda c: c, "ServerConfig"),
-    (lambda c: c.ServerConfig, "port"),
-    (lambda c: c.BackendConfig.ScheduleConfig, "maxBatchSize"),
-    (lambda c: c.BackendConfig.ModelDeployConfig.ModelConfig[0], "modelName"),
-])
+@pytest.mark.parametrize(
+    "get, attr",
+    [
+        (lambda c: c, "ServerConfig"),
+        (lambda c: c.ServerConfig, "port"),
+        (lambda c: c.BackendConfig.ScheduleConfig, "maxBatchSize"),
+        (lambda c: c.BackendConfig.ModelDeployConfig.ModelConfig[0], "modelName"),
+    ],
+)
 def test_frozen(get, attr):
     section = get(load_config())
     with pytest.raises(pydantic.ValidationError):
@@ -340,7 +411,13 @@ def test_lists_are_immutable():
 
 
 def test_every_field_has_a_description():
-    for model in (AppConfig, ServerConfig, BackendConfig, ModelDeployConfig, ModelConfig,
-                  ScheduleConfig):
+    for model in (
+        AppConfig,
+        ServerConfig,
+        BackendConfig,
+        ModelDeployConfig,
+        ModelConfig,
+        ScheduleConfig,
+    ):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name}"

@@ -212,9 +212,7 @@ class LLMEngine:
             logprobs = torch.log_softmax(logits[index], dim=-1)
             request.seqs = beam_search.beam_step(request, logprobs, self.kv, self.eos_token_ids)
             for seq in request.seqs:
-                if seq.num_output_tokens >= request.max_output_tokens or (
-                    seq.num_tokens >= self.max_model_len
-                ):
+                if self._at_length_limit(request, seq):
                     seq.finish_reason = FinishReason.LENGTH
             sampled[request.request_id] = request
         now = time.monotonic()
@@ -249,10 +247,15 @@ class LLMEngine:
             seq.finish_reason = FinishReason.EOS
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP_TOKEN, token
-        elif seq.num_output_tokens >= request.max_output_tokens or (
-            seq.num_tokens >= self.max_model_len
-        ):
+        elif self._at_length_limit(request, seq):
             seq.finish_reason = FinishReason.LENGTH
+
+    def _at_length_limit(self, request: Request, seq: Sequence) -> bool:
+        """min(maxIterTimes, max_tokens) outputs, or prompt + output = maxSeqLen."""
+        return (
+            seq.num_output_tokens >= request.max_output_tokens
+            or seq.num_tokens >= self.max_model_len
+        )
 
     def _request_done(self, request: Request) -> bool:
         if request.params.use_beam_search:

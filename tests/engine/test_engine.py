@@ -20,8 +20,15 @@ GREEDY16_LOGPROBS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True
 
 
 def make_llm(**overrides):
-    settings = dict(dtype="float32", block_size=16, num_kv_blocks=256, max_seq_len=1024,
-                    max_iter_times=256, max_input_token_len=512, max_prefill_tokens=512)
+    settings = dict(
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=256,
+        max_seq_len=1024,
+        max_iter_times=256,
+        max_input_token_len=512,
+        max_prefill_tokens=512,
+    )
     settings.update(overrides)
     return LLM("demo", **settings)
 
@@ -119,8 +126,9 @@ def test_temperature_zero_equals_greedy(llm, prompts, greedy_reference):
 def test_n_and_best_of_return_the_right_number_of_sequences(llm, prompts):
     out = llm.generate([prompts[3]], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
     assert [c.index for c in out[0].outputs] == [0, 1, 2]
-    assert all(len(c.token_ids) == 8 or c.finish_reason != FinishReason.LENGTH
-               for c in out[0].outputs)
+    assert all(
+        len(c.token_ids) == 8 or c.finish_reason != FinishReason.LENGTH for c in out[0].outputs
+    )
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # the forks sample apart
     params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=1, max_tokens=8)
     best = llm.generate([prompts[3]], params)[0].outputs
@@ -132,13 +140,20 @@ def test_n_and_best_of_return_the_right_number_of_sequences(llm, prompts):
 @pytest.mark.parametrize("width", [2, 3])
 def test_beam_search_equals_transformers(llm, hf_demo, prompts, width):
     ids = prompts[3]
-    params = SamplingParams(n=width, use_beam_search=True, temperature=0, max_tokens=6,
-                            ignore_eos=True)
+    params = SamplingParams(
+        n=width, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True
+    )
     ours = [c.token_ids for c in llm.generate([ids], params)[0].outputs]
     with torch.inference_mode():
-        ref = hf_demo.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6,
-                               num_beams=width, num_return_sequences=width, do_sample=False)
-    assert ours == ref[:, len(ids):].tolist()
+        ref = hf_demo.generate(
+            torch.tensor([ids]),
+            max_new_tokens=6,
+            min_new_tokens=6,
+            num_beams=width,
+            num_return_sequences=width,
+            do_sample=False,
+        )
+    assert ours == ref[:, len(ids) :].tolist()
     assert_idle(llm)
 
 
@@ -151,8 +166,9 @@ def test_beam_search_returns_n_of_best_of_beams(llm, prompts):
 
 def test_stop_token_ids_and_eos(llm, prompts, greedy_reference):
     stop = greedy_reference[2][3]
-    out = llm.generate([prompts[2]], SamplingParams(temperature=0, stop_token_ids=[stop],
-                                                    max_tokens=16))[0].outputs[0]
+    out = llm.generate(
+        [prompts[2]], SamplingParams(temperature=0, stop_token_ids=[stop], max_tokens=16)
+    )[0].outputs[0]
     cut = greedy_reference[2].index(stop) + 1
     assert out.token_ids == greedy_reference[2][:cut]
     assert (out.finish_reason, out.stop_reason) == (FinishReason.STOP_TOKEN, stop)
@@ -209,8 +225,12 @@ def test_priority_orders_admission(prompts):
 
 def test_deadline_times_out_and_frees_blocks(llm, prompts):
     engine = llm.engine
-    engine.add_request("slow", prompts[5], SamplingParams(temperature=0, max_tokens=200),
-                       deadline=time.monotonic() + 0.2)
+    engine.add_request(
+        "slow",
+        prompts[5],
+        SamplingParams(temperature=0, max_tokens=200),
+        deadline=time.monotonic() + 0.2,
+    )
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -230,8 +250,9 @@ def test_outputs_carry_step_timing(llm, prompts):
     assert first.prefill_time_ms > 0 and first.decode_time_ms is None
     assert later.decode_time_ms > 0 and later.prefill_time_ms is None
     assert first.batch_size >= 1 and first.queue_wait_us >= 0
-    assert [o.outputs[0].new_token_ids for o in outputs] == [[t] for t in
-                                                            outputs[-1].outputs[0].token_ids]
+    assert [o.outputs[0].new_token_ids for o in outputs] == [
+        [t] for t in outputs[-1].outputs[0].token_ids
+    ]
 
 
 def test_async_engine_streams_and_aborts_on_early_exit(llm, prompts, greedy_reference):
