@@ -59,21 +59,24 @@ class Scheduler:
     def _plan(self, request: Request, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
         """Tokens to compute per sequence this step, and the prompt budget they use.
 
-        Several sequences of one request (forks, beams) sample together: while some of them are
-        still being recomputed after a preemption, the others stop one token short.
+        Several sequences of one request (forks, beams) sample together. After a preemption
+        they are recomputed one at a time, each stopping one token short, so that the later ones
+        find the shared prompt blocks in the prefix cache instead of each needing its own copy.
         """
         seqs = request.seqs
-        in_step = len(seqs) == 1 or all(s.num_computed_tokens >= s.num_tokens - 1 for s in seqs)
-        plan, used = [], 0
-        for seq in seqs:
-            target = seq.num_tokens if in_step else seq.num_tokens - 1
-            n = target - seq.num_computed_tokens
-            if n > 1:  # prompt work, bounded by the budget
-                n = min(n, budget - used)
-                used += max(n, 0)
-            if n > 0:
-                plan.append((seq, n))
-        return plan, used
+        behind = [s for s in seqs if s.num_computed_tokens < s.num_tokens - 1]
+        if len(seqs) > 1 and behind:
+            seq, short = behind[0], 1
+        elif len(seqs) == 1:
+            seq, short = seqs[0], 0
+        else:  # all caught up: one token each, sampled together
+            return [(s, s.num_tokens - s.num_computed_tokens) for s in seqs], 0
+        self.kv.match_prefix(seq)  # adopts cached blocks only while it holds none
+        need = seq.num_tokens - short - seq.num_computed_tokens
+        if need == 1:  # a decode-like step costs no prompt budget
+            return [(seq, 1)], 0
+        n = min(need, budget)  # prompt work, bounded by the budget
+        return ([(seq, n)], n) if n > 0 else ([], 0)
 
     def _preempt(self, request: Request) -> None:
         for seq in request.seqs:
@@ -134,8 +137,6 @@ class Scheduler:
                 break
             if num_prefills >= config.max_prefill_batch_size or budget <= 0:
                 break
-            for seq in request.seqs:
-                self.kv.match_prefix(seq)
             plan, used = self._plan(request, budget)
             if not plan or not self._try_allocate(plan):
                 for seq in request.seqs:  # give back prefix blocks while we wait

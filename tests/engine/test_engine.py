@@ -280,3 +280,18 @@ def test_async_engine_streams_and_aborts_on_early_exit(llm, prompts, greedy_refe
         assert_idle(llm)
     finally:
         engine.shutdown()
+
+
+def test_forked_sequences_survive_preemption_unchanged(prompts):
+    """n-sampling and beam search recompute every fork after preemption, then go on as before."""
+    sampled = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=40, ignore_eos=True)
+    beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=40, ignore_eos=True)
+    batch = [prompts[5], prompts[6], prompts[7]]
+    params = [sampled, beams, sampled]
+    roomy = make_llm().generate(batch, params)
+    tight = make_llm(num_kv_blocks=22)
+    squeezed = tight.generate(batch, params)
+    assert tight.engine.stats()["num_preemptions"] > 0
+    for a, b in zip(roomy, squeezed, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert_idle(tight)
