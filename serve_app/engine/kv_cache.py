@@ -26,6 +26,12 @@ class KVCacheManager:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, total - len(seq.block_table)) + self._needs_copy(seq)
 
+    def worst_case_blocks(self, prompt_len: int, total_len: int, num_seqs: int) -> int:
+        """Blocks a request may hold at once: its full prompt blocks shared by all sequences,
+        the rest per sequence, plus one copy-on-write block each."""
+        shared = prompt_len // self.block_size
+        return shared + num_seqs * (-(-total_len // self.block_size) - shared + 1)
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give seq room for its next tokens; False (and nothing changed) if the pool is full."""
         new_blocks = self.pool.allocate(self.blocks_needed(seq, num_new_tokens))

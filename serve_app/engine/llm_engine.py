@@ -15,7 +15,7 @@ from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.kv_cache import KVCacheManager
 from serve_app.engine.model_runner import ModelRunner
-from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics, TokenLogprob
+from serve_app.engine.outputs import RequestOutput, StepMetrics, TokenLogprob
 from serve_app.engine.params import FinishReason, SamplingParams
 from serve_app.engine.sampler import Sampler, SampleRow
 from serve_app.engine.scheduler import ScheduledBatch, Scheduler
@@ -91,10 +91,8 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def _check_fits(self, prompt_len: int, limit: int, num_seqs: int) -> None:
-        size = self.config.block_size
         total = min(prompt_len + limit, self.max_model_len)
-        shared = prompt_len // size  # full prompt blocks the sequences share
-        need = shared + num_seqs * (-(-total // size) - shared + 1)
+        need = self.kv.worst_case_blocks(prompt_len, total, num_seqs)
         if need > self.kv.pool.num_blocks:
             raise ValueError(
                 f"the request needs up to {need} KV blocks; the pool has {self.kv.pool.num_blocks}"
@@ -224,9 +222,7 @@ class LLMEngine:
                 outputs.append(self._finish(request, metrics))
             elif self._streams(request):
                 outputs.append(
-                    self._output(
-                        request, request.seqs + request.finished_seqs, metrics, new_only=True
-                    )
+                    request.to_output(request.seqs + request.finished_seqs, metrics, new_only=True)
                 )
         return outputs
 
@@ -305,30 +301,6 @@ class LLMEngine:
         self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED
         self.requests.pop(request.request_id, None)
-        output = self._output(request, seqs, metrics, new_only=self._streams(request))
+        output = request.to_output(seqs, metrics, new_only=self._streams(request))
         output.finished = True
         return output
-
-    def _output(
-        self, request: Request, seqs: list[Sequence], metrics: StepMetrics, new_only: bool
-    ) -> RequestOutput:
-        completions = []
-        want_logprobs = request.params.logprobs is not None
-        for seq in sorted(seqs, key=lambda s: s.index):
-            tokens = seq.output_token_ids
-            emitted = seq.num_emitted if new_only else 0
-            seq.num_emitted = len(tokens)
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    token_ids=tokens,
-                    new_token_ids=tokens[emitted:],
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.logprobs) if want_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request.request_id, request.prompt_token_ids, completions, metrics=metrics
-        )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics
 from serve_app.engine.params import FinishReason, SamplingParams
 
 _seq_ids = itertools.count()
@@ -102,3 +103,26 @@ class Request:
     @property
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)
+
+    def to_output(
+        self, seqs: list[Sequence], metrics: StepMetrics, new_only: bool
+    ) -> RequestOutput:
+        """What the API layers see; new_only reports only tokens not reported before."""
+        completions = []
+        want_logprobs = self.params.logprobs is not None
+        for seq in sorted(seqs, key=lambda s: s.index):
+            tokens = seq.output_token_ids
+            emitted = seq.num_emitted if new_only else 0
+            seq.num_emitted = len(tokens)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    token_ids=tokens,
+                    new_token_ids=tokens[emitted:],
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if want_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(self.request_id, self.prompt_token_ids, completions, metrics=metrics)
