@@ -29,7 +29,7 @@ def main() -> None:
     ]
     start = time.perf_counter()
     outputs = llm.generate(
-        prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=args.max_tokens)
+        prompts, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=args.max_tokens)
     )
     elapsed = time.perf_counter() - start
     for question, output in zip(questions, outputs, strict=True):
