@@ -295,3 +295,33 @@ def test_forked_sequences_survive_preemption_unchanged(prompts):
     for a, b in zip(roomy, squeezed, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert_idle(tight)
+
+
+def test_async_engine_under_concurrent_load_with_cancellations(llm, prompts, greedy_reference):
+    """Many streams at once, a third cancelled midway: the rest finish exactly, nothing leaks."""
+    engine = AsyncEngine(engine=llm.engine)
+
+    async def consume(i: int) -> list[int] | None:
+        index = i % len(prompts)
+        streamed = []
+        request = GenerateRequest(f"load-{i}", prompts[index], GREEDY16, priority=1 + i % 5)
+        async for output in engine.generate(request):
+            streamed += output.outputs[0].new_token_ids
+            if i % 3 == 0 and len(streamed) >= 4:
+                return None  # the client goes away
+        assert streamed == greedy_reference[index]
+        return streamed
+
+    async def main():
+        results = await asyncio.gather(*(consume(i) for i in range(18)))
+        assert sum(r is None for r in results) == 6
+        for _ in range(100):
+            if not llm.engine.requests:
+                break
+            await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(main())
+        assert_idle(llm)
+    finally:
+        engine.shutdown()
