@@ -16,7 +16,7 @@ from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
 from serve_app.engine.sequence import Sequence
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
 
-LM_HEAD_CHUNK = 4096  # vocabulary rows per GEMM for the fp32 CPU head
+LM_HEAD_CHUNK = 2048  # vocabulary rows per GEMM for the fp32 CPU head
 
 
 class ModelRunner:
