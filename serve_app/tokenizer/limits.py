@@ -1,0 +1,147 @@
+"""Token-count rules of the MindIE APIs, in one place (see DESIGN.md, "Token-count rules").
+
+Pure Python on purpose: the tokenizer pool, the ingress and the engine all import it, and the API
+layers map `TokenLimitError` to each family's 4xx body. The engine config is duck-typed (any
+object with max_seq_len, max_input_token_len, max_iter_times, truncation) so this module does
+not pull in serve_app.engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# /infer_token and Triton generate: max_new_tokens defaults to 20 (seed 000, MINDIE.md /infer).
+# OpenAI-style max_tokens defaults to maxIterTimes instead: `TokenLimits.default_max_tokens`.
+DEFAULT_MAX_NEW_TOKENS = 20
+PROMPT_TOKENS_CAP = 1 << 20  # the "1MB" term of the /v1/completions prompt rule (seed 004)
+# Seed 000 writes the id range as "(1, 1024*1024]", which would refuse ids 0 and 1, ordinary
+# tokens in every BPE vocabulary (Qwen2: "!" and '"'); MINDIE.md reads the server as [0, 2^20].
+# A MindIE client sends tokenizer output unchanged, so we accept [0, 2^20]; the vocabulary
+# bound (id < vocab_size) is stricter for every real model and is the one that binds.
+MAX_TOKEN_ID = 1 << 20
+MAX_TOKENS_CAP = 2**31 - 1  # max_tokens / max_new_tokens range (0, 2147483647] (seeds 000, 004)
+
+
+class TokenLimitError(ValueError):
+    """A request over a token limit; `param` is the request field to name in the 4xx body."""
+
+    def __init__(self, param: str, low: int, limit: int, actual: int, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.low = low  # inclusive bounds of the allowed range
+        self.limit = limit
+        self.actual = actual
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLimits:
+    max_seq_len: int
+    max_input_token_len: int
+    max_iter_times: int
+    truncation: bool = False
+    max_position_embeddings: int | None = None  # None: config.json has none, no bound
+    vocab_size: int | None = None  # None or 0 (MindIE's default when absent): id range only
+
+    @classmethod
+    def from_engine_config(
+        cls, config: Any, max_position_embeddings: int | None, vocab_size: int | None
+    ) -> TokenLimits:
+        return cls(
+            max_seq_len=config.max_seq_len,
+            max_input_token_len=config.max_input_token_len,
+            max_iter_times=config.max_iter_times,
+            truncation=bool(config.truncation),
+            max_position_embeddings=max_position_embeddings,
+            vocab_size=vocab_size,
+        )
+
+    def _with_pos(self, *bounds: int) -> int:
+        mpe = self.max_position_embeddings
+        return min(*bounds, mpe) if mpe else min(bounds)
+
+    @property
+    def completion_prompt_limit(self) -> int:
+        # Seed 004, prompt: <= min(maxInputTokenLen, maxSeqLen-1, max_position_embeddings, 1MB).
+        return self._with_pos(self.max_input_token_len, self.max_seq_len - 1, PROMPT_TOKENS_CAP)
+
+    @property
+    def chat_prompt_limit(self) -> int:
+        # Seed 002, messages: templated tokens <= min(maxSeqLen-maxIterTimes, max_pos_emb).
+        return self._with_pos(self.max_seq_len - self.max_iter_times)
+
+    @property
+    def default_max_tokens(self) -> int:
+        return self.max_iter_times  # seeds 002 and 004: max_tokens defaults to maxIterTimes
+
+    def _check_length(self, ids: Sequence[int], param: str, limit: int, rule: str) -> list[int]:
+        n = len(ids)
+        if 1 <= n <= limit:
+            return list(ids)
+        # truncation=true "cuts silently" (MINDIE.md). Neither the seeds nor MINDIE.md say which
+        # end; we keep the last `limit` tokens like vLLM's truncate_prompt_tokens, because the
+        # tail (the question, the chat template's assistant header) is what generation continues.
+        # An empty prompt, or a limit below 1 (e.g. maxIterTimes == maxSeqLen for chat), cannot
+        # be fixed by cutting and is refused even with truncation on.
+        if self.truncation and n > limit >= 1:
+            return list(ids[n - limit :])
+        raise TokenLimitError(
+            param, 1, limit, n,
+            f"{param} must have between 1 and {limit} tokens ({rule}), got {n}",
+        )  # fmt: skip
+
+    def check_completion_prompt(self, ids: Sequence[int], param: str = "prompt") -> list[int]:
+        rule = "min(maxInputTokenLen, maxSeqLen - 1, max_position_embeddings, 1048576)"
+        return self._check_length(ids, param, self.completion_prompt_limit, rule)
+
+    def check_chat_prompt(self, ids: Sequence[int], param: str = "messages") -> list[int]:
+        rule = "min(maxSeqLen - maxIterTimes, max_position_embeddings) after the chat template"
+        return self._check_length(ids, param, self.chat_prompt_limit, rule)
+
+    def check_token_ids(self, ids: Sequence[int], param: str = "input_id") -> list[int]:
+        """/infer_token: every id in the vocabulary and [0, 2^20]; length as for completions."""
+        high = MAX_TOKEN_ID
+        if self.vocab_size and self.vocab_size > 0:
+            high = min(high, self.vocab_size - 1)
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= high:
+                raise TokenLimitError(
+                    param, 0, high, token,
+                    f"{param}[{i}] must be a token id in [0, {high}] (the model vocabulary), "
+                    f"got {token!r}",
+                )  # fmt: skip
+        return self.check_completion_prompt(ids, param)
+
+    def output_limit(self, max_tokens: int | None, param: str = "max_tokens") -> int:
+        """Output tokens allowed: min(maxIterTimes, max_tokens); absent -> maxIterTimes.
+
+        A max_tokens above maxIterTimes is clamped, not refused: seeds 000/004 give the range
+        (0, 2147483647] and say the output is <= Min(maxIterTimes, max_tokens). Seed 002 writes
+        the chat range as (0, maxIterTimes], but its own text says the output is capped at
+        maxIterTimes, and OpenAI clients routinely send large values, so chat clamps as well.
+        """
+        if max_tokens is None:
+            return self.max_iter_times
+        if isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_CAP:
+            raise TokenLimitError(
+                param, 1, MAX_TOKENS_CAP, max_tokens,
+                f"{param} must be in [1, {MAX_TOKENS_CAP}], got {max_tokens!r}",
+            )  # fmt: skip
+        return min(self.max_iter_times, max_tokens)
+
+    def output_budget(self, prompt_len: int, max_tokens: int | None) -> int:
+        # MINDIE.md (non-PD): outputLen = min(maxSeqLen - inputLen, maxOutputLen); hitting it
+        # ends the request with finish_reason "length".
+        return max(0, min(self.max_seq_len - prompt_len, self.output_limit(max_tokens)))
+
+    def pd_total_tokens(self, max_tokens: int | None) -> int:
+        # Seed 000 generated_tokens / MINDIE.md PD: P produces the first token, D the rest.
+        # When the limit is maxIterTimes (max_tokens absent or not smaller), D still runs
+        # maxIterTimes steps, so the total is maxIterTimes + 1; a smaller max_tokens is exact.
+        limit = self.output_limit(max_tokens)
+        return limit + 1 if limit == self.max_iter_times else limit
+
+    def pd_decode_tokens(self, max_tokens: int | None) -> int:
+        return self.pd_total_tokens(max_tokens) - 1  # tokens D generates after P's first
