@@ -196,7 +196,6 @@ class LLMEngine:
                 picked = logits[logit_rows]
             result = self.sampler(picked, rows, num_top=num_top, need_logprobs=need)
             for k, (request, seq) in enumerate(owners):
-                logprob = None
                 if result.chosen_logprobs is not None:
                     logprob = result.chosen_logprobs[k]
                     seq.cumulative_logprob += logprob
