@@ -3,8 +3,8 @@
 Place in the request path: nothing runs per request here. `load_config` turns the Ray Serve
 application `args` (or a YAML/JSON file) into a frozen `AppConfig` before any deployment starts;
 the ingress reads `ServerConfig` (timeouts, limits), the tokenizer pool reads `BackendConfig`, and
-each model replica hands `AppConfig.engine_config()` to the engine. No environment variables are
-read today; if one is ever needed, it is read here and nowhere else.
+each model replica hands `AppConfig.engine_config()` to the engine. Environment variables are read
+here and nowhere else: today only the accelerator visibility that Ray sets (`accelerator_env`).
 
 Keys and defaults follow MindIE Server's config.json (see reference/MINDIE.md). Our additions are
 marked "(extension)" in their description.
@@ -315,6 +315,87 @@ class BackendConfig(BaseModel):
 
 _ServerConfig, _BackendConfig = ServerConfig, BackendConfig
 
+_ACTOR_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
+
+
+class DeploymentOptions(BaseModel):
+    """(extension) Ray Serve options of one deployment; unset keys keep our defaults."""
+
+    model_config = _FROZEN
+
+    num_replicas: int | Literal["auto"] | None = Field(
+        None, description="Replica count, or 'auto' for Ray Serve autoscaling defaults."
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config (min_replicas, max_replicas, ...)."
+    )
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests one replica works on at once."
+    )
+    max_queued_requests: int | None = Field(
+        None, ge=-1, description="Requests queued at the handle before 503s; -1 = no limit."
+    )
+    ray_actor_options: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Ray actor options: num_cpus, num_gpus, memory, resources (e.g. {NPU: 1}), "
+            "accelerator_type, runtime_env. Merged over the options derived from the device."
+        ),
+    )
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _replicas(cls, value):
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"must be >= 0 or 'auto', got {value}")
+        return value
+
+    @field_validator("ray_actor_options")
+    @classmethod
+    def _actor(cls, value):
+        unknown = sorted(set(value or {}) - set(_ACTOR_KEYS))
+        if unknown:
+            raise ValueError(
+                f"unknown ray_actor_options key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(_ACTOR_KEYS)}"
+            )
+        return value
+
+    def serve_options(self) -> dict[str, Any]:
+        """The keys that are set, as `serve.deployment(...)` keyword arguments."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class Deployments(BaseModel):
+    """(extension) Per-deployment Ray Serve options, by deployment name."""
+
+    model_config = _FROZEN
+
+    Ingress: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "The FastAPI ingress. Defaults: 1 replica, max_ongoing_requests = "
+            "ServerConfig.maxLinkNum, max_queued_requests = 2 x maxLinkNum, num_cpus 0."
+        ),
+    )
+    TokenizerPool: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "The tokenizer pool. Defaults: BackendConfig.tokenizerProcessNumber replicas, "
+            "num_cpus 0."
+        ),
+    )
+    ModelReplica: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "Model replicas (one deployment per served model). Defaults: 1 replica; the "
+            "accelerator from ModelConfig.device and worldSize (NPU resource, num_gpus or CPU)."
+        ),
+    )
+
+
+_Deployments = Deployments
+
 
 class AppConfig(BaseModel):
     """The whole application config: Ray Serve application `args`, MindIE config.json names."""
@@ -326,6 +407,10 @@ class AppConfig(BaseModel):
     )
     BackendConfig: _BackendConfig = Field(
         default_factory=_BackendConfig, description="Devices, models and scheduling."
+    )
+    Deployments: _Deployments = Field(
+        default_factory=_Deployments,
+        description="(extension) Ray Serve options per deployment: replicas, resources.",
     )
 
     def engine_config(self, model_index: int = 0) -> EngineConfig:
@@ -369,8 +454,12 @@ _SECTIONS = {
         ModelDeployConfig,
         ModelConfig,
         ScheduleConfig,
+        Deployments,
+        DeploymentOptions,
     )
 }
+# Deployment sections are named after the deployment, not their class.
+_SECTIONS.update(dict.fromkeys(("Ingress", "TokenizerPool", "ModelReplica"), DeploymentOptions))
 
 
 def load_config(source: dict | str | Path | None = None) -> AppConfig:
@@ -444,3 +533,12 @@ def _describe(error: dict) -> str:
     if kind != "value_error" and not isinstance(got, (dict, list)):
         message += f" (got {got!r})"
     return f"{path or '(top level)'}: {message}"
+
+
+def accelerator_env() -> dict[str, str | None]:
+    """The device visibility Ray set for this worker (it pins NPUs/GPUs through these)."""
+    import os
+
+    return {
+        name: os.environ.get(name) for name in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    }

@@ -32,6 +32,10 @@ class EngineError(RuntimeError):
     """The engine could not take or finish a request."""
 
 
+class RequestRejected(EngineError):
+    """`add_request` refused the request: input the engine can never serve (no step failed)."""
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config or EngineConfig())
@@ -102,7 +106,7 @@ class AsyncEngine:
                         payload.deadline,
                     )
                 except ValueError as exc:
-                    self._deliver(payload.request_id, EngineError(str(exc)))
+                    self._deliver(payload.request_id, RequestRejected(str(exc)))
             else:
                 output = self.engine.abort(payload)
                 if output is not None:

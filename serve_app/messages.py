@@ -1,0 +1,121 @@
+"""The small dataclasses that cross deployment handles, defined once.
+
+Request path: the ingress sends a `TokenizeRequest` to the tokenizer pool and gets back a
+`TokenizedPrompt` (or a `Rejection`); it then sends a `ReplicaRequest` to a model replica and
+iterates the `ReplicaChunk`s it yields. Nothing here imports fastapi, pydantic or ray: only token
+ids, sampling parameters, text and numbers cross a handle, never a Starlette request or a pydantic
+HTTP model. Errors travel as values (`Rejection`, `ReplicaChunk.error`), not as exceptions, so
+each API family renders them in its own envelope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from serve_app.engine.params import SamplingParams
+
+# -- tokenizer pool ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """What to turn into prompt token ids, and which token-count rule applies.
+
+    kind: "completion" (text prompt, seed 004 rule), "chat" (messages through the chat template,
+    seed 002 rule), "token_ids" (ids given by the client, seed 000 rule: vocabulary + length),
+    "text" (/infer and Triton text_input: the completion rule).
+    """
+
+    model: str
+    kind: Literal["completion", "chat", "token_ids", "text"]
+    text: str | None = None
+    messages: list[dict] | None = None  # [{"role", "content"}], content str or text parts
+    token_ids: list[int] | None = None
+    param: str = "prompt"  # the request field to name in a rejection
+    add_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class TokenizedPrompt:
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    truncated: bool = False  # truncation=true cut the prompt to its limit
+    prompt_text: str | None = None  # the templated chat prompt (for echo / debugging)
+
+
+@dataclass(slots=True)
+class Rejection:
+    """A request refused before any model work: the parameter, why, and its allowed range."""
+
+    param: str
+    message: str
+    kind: Literal["validation", "too_long", "unknown_model", "engine", "unsupported"] = "validation"
+
+
+# -- model replica ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ReplicaRequest:
+    request_id: str  # unique per ingress request; the engine's request id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 5  # 1 highest .. 5 lowest
+    timeout_s: float | None = None  # the request's own timeout; the replica sets the deadline
+    stop: list[str] = field(default_factory=list)  # stop strings, matched exactly on the text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = True  # False: the replica yields one final chunk with everything
+    token_texts: bool = False  # fill ChoiceDelta.token_texts (per-token text for token events)
+    logprob_texts: bool = False  # fill TokenLogprobText.token/top as decoded strings
+
+
+@dataclass(slots=True)
+class TokenLogprobText:
+    """One output token's logprob, with decoded text for the API (completions `top_logprobs`)."""
+
+    token_id: int
+    logprob: float
+    token: str = ""  # the token alone, decoded
+    top: list[tuple[int, str, float]] = field(
+        default_factory=list
+    )  # (id, text, logprob), best first
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one choice (sequence) adds in a chunk; in a final non-stream chunk, all of it."""
+
+    index: int
+    token_ids: list[int]  # new output token ids
+    text: str  # new text, stop strings applied (nothing past a stop string is ever sent)
+    token_texts: list[str] | None = None  # per new token: its text delta ("" while incomplete)
+    logprobs: list[TokenLogprobText] | None = None  # per new token, when asked for
+    finish_reason: str | None = None  # an engine FinishReason value: eos, stop_token, ...
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_output_tokens: int = 0  # output tokens of this choice so far (usage counts these)
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class StepInfo:
+    """Timing of one engine step that produced tokens for this request (MindIE's facts)."""
+
+    batch_size: int
+    queue_wait_us: float
+    prefill_time_ms: float | None = None  # first token: arrival to first token
+    decode_time_ms: float | None = None  # later tokens: since the previous token
+
+
+@dataclass(slots=True)
+class ReplicaChunk:
+    request_id: str
+    choices: list[ChoiceDelta] = field(default_factory=list)
+    steps: list[StepInfo] = field(default_factory=list)  # the steps folded into this chunk
+    finished: bool = False
+    num_prompt_tokens: int = 0
+    error: str | None = None  # set when the request failed; finished is then True
+    error_kind: Literal["rejected", "engine", "timeout"] | None = None
+    stats: dict | None = None  # the replica's engine stats, on the final chunk
+    replica_id: str = ""

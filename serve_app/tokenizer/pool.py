@@ -1,0 +1,180 @@
+"""TokenizerPool: text or chat messages -> prompt token ids, with the token-count rules applied.
+
+Place in the request path: the ingress calls it before any replica work, so a too-long prompt is
+refused (or cut, with truncation=true) on CPU. A plain class; the app builder makes it a Ray Serve
+deployment with several CPU replicas. Errors come back as `Rejection` values, never exceptions,
+so each API family renders them in its own envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_app.config import AppConfig, load_config
+from serve_app.messages import Rejection, TokenizedPrompt, TokenizeRequest
+from serve_app.models.loader import load_tokenizer, resolve_model_path
+from serve_app.tokenizer.limits import TokenLimitError, TokenLimits
+
+
+@dataclass(slots=True)
+class _Model:
+    tokenizer: Any
+    limits: TokenLimits
+    vocab_size: int | None
+    max_position_embeddings: int | None
+    # Fast tokenizers can fail with "Already borrowed" when one instance is used from several
+    # threads at once; to_thread may run two requests of this replica concurrently.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TokenizerPool:
+    def __init__(self, config: AppConfig | dict | None = None) -> None:
+        app_config = config if isinstance(config, AppConfig) else load_config(config)
+        self._models: dict[str, _Model] = {}
+        for index, model in enumerate(app_config.BackendConfig.ModelDeployConfig.ModelConfig):
+            path = resolve_model_path(model.modelWeightPath)
+            hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            vocab_size = hf_config.get("vocab_size")
+            max_pos = hf_config.get("max_position_embeddings")
+            limits = TokenLimits.from_engine_config(
+                app_config.engine_config(index), max_pos, vocab_size
+            )
+            self._models[model.modelName] = _Model(
+                load_tokenizer(path), limits, vocab_size, max_pos
+            )
+
+    def model_names(self) -> list[str]:
+        return list(self._models)
+
+    def limits(self, model: str) -> TokenLimits:
+        """The token-count rules of one model (KeyError if it is not served)."""
+        return self._get(model).limits
+
+    def model_info(self, model: str) -> dict:
+        served = self._get(model)
+        limits = served.limits
+        return {
+            "model": model,
+            "vocab_size": served.vocab_size,
+            "max_position_embeddings": served.max_position_embeddings,
+            "max_seq_len": limits.max_seq_len,
+            "max_input_token_len": limits.max_input_token_len,
+            "max_iter_times": limits.max_iter_times,
+            "truncation": limits.truncation,
+            "completion_prompt_limit": limits.completion_prompt_limit,
+            "chat_prompt_limit": limits.chat_prompt_limit,
+            "eos_token_id": served.tokenizer.eos_token_id,
+        }
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
+        served = self._models.get(req.model)
+        if served is None:
+            return Rejection(
+                "model",
+                f"model {req.model!r} is not served here; available: {', '.join(self._models)}",
+                "unknown_model",
+            )
+        return await asyncio.to_thread(self._tokenize, served, req)
+
+    async def decode(
+        self, model: str, token_ids: list[int], skip_special_tokens: bool = True
+    ) -> str:
+        served = self._get(model)
+
+        def run() -> str:
+            with served.lock:
+                return served.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        return await asyncio.to_thread(run)
+
+    def _get(self, model: str) -> _Model:
+        served = self._models.get(model)
+        if served is None:
+            raise KeyError(f"model {model!r} is not served here; available: {list(self._models)}")
+        return served
+
+    # -- the CPU part, on a worker thread ---------------------------------------------------
+
+    def _tokenize(self, served: _Model, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
+        try:
+            with served.lock:
+                return _tokenize(served, req)
+        except TokenLimitError as exc:
+            # Over a length limit is "too_long"; an empty prompt or a bad id is plain validation.
+            too_long = exc.low == 1 and exc.actual > exc.limit
+            return Rejection(exc.param, exc.message, "too_long" if too_long else "validation")
+        except _Refused as exc:
+            return exc.rejection
+
+
+class _Refused(Exception):
+    def __init__(self, param: str, message: str, kind: str = "validation") -> None:
+        super().__init__(message)
+        self.rejection = Rejection(param, message, kind)  # type: ignore[arg-type]
+
+
+def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
+    tokenizer, limits = served.tokenizer, served.limits
+    if req.kind in ("completion", "text"):
+        if not isinstance(req.text, str):
+            raise _Refused(req.param, f"{req.param} must be a string")
+        ids = tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
+        kept = limits.check_completion_prompt(ids, req.param)
+        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids))
+    if req.kind == "chat":
+        param = "messages" if req.param == "prompt" else req.param
+        messages = _chat_messages(req.messages, param)
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja errors, raise_exception() in templates, no template
+            message = f"{param} could not be rendered by the chat template: {exc}"
+            raise _Refused(param, message) from exc
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        kept = limits.check_chat_prompt(ids, param)
+        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
+    if req.kind == "token_ids":
+        if not isinstance(req.token_ids, list):
+            raise _Refused(req.param, f"{req.param} must be a list of token ids")
+        kept = limits.check_token_ids(req.token_ids, req.param)
+        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(req.token_ids))
+    raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", "unsupported")
+
+
+def _chat_messages(messages: Any, param: str) -> list[dict]:
+    """Messages for the template: text parts joined into one string, other keys kept.
+
+    Many model templates (Qwen2.5's among them) only render string content, so text parts are
+    joined here, with newlines as vLLM does, and every template sees plain strings.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise _Refused(param, f"{param} must be a non-empty list of messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _Refused(f"{param}[{i}]", f"{param}[{i}] must be an object with a string role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"{param}[{i}].content[{j}]"
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    message = f"{where}: only text parts are supported, got {kind!r}"
+                    raise _Refused(where, message, "unsupported")
+                if not isinstance(part.get("text"), str):
+                    raise _Refused(where, f"{where}.text must be a string")
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise _Refused(
+                f"{param}[{i}].content",
+                f"{param}[{i}].content must be a string or a list of text parts",
+            )
+        out.append(message)
+    return out

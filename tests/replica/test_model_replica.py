@@ -1,0 +1,304 @@
+"""ModelReplica without Ray: text deltas, stop strings at the exact step, errors as chunks."""
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from serve_app.config import load_config
+from serve_app.engine.params import SamplingParams
+from serve_app.messages import ReplicaRequest
+from serve_app.replica.model_replica import ModelReplica
+
+CONFIG = {
+    "BackendConfig": {
+        "ModelDeployConfig": {
+            "maxSeqLen": 512,
+            "maxInputTokenLen": 256,
+            "ModelConfig": [
+                {"modelName": "demo", "modelWeightPath": "demo-tiny", "dtype": "float32"}
+            ],
+        },
+        "ScheduleConfig": {
+            "maxIterTimes": 64,
+            "maxPrefillTokens": 256,
+            "cacheBlockSize": 16,
+            "kvCacheBlocks": 128,
+        },
+    }
+}
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. 你好，世界"
+
+
+@pytest.fixture(scope="module")
+def replica():
+    replica = ModelReplica(load_config(CONFIG))
+    yield replica
+    replica.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompt(replica):
+    return replica.tokenizer.encode(PROMPT_TEXT)
+
+
+def greedy(max_tokens=32, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def request(prompt, params, **kw):
+    return ReplicaRequest(f"req-{uuid.uuid4().hex[:8]}", list(prompt), params, **kw)
+
+
+def collect(replica, req):
+    async def run():
+        return [chunk async for chunk in replica.generate(req)]
+
+    return asyncio.run(run())
+
+
+def joined(chunks, index=0, attr="text"):
+    """One choice's field over all chunks: text joined, lists concatenated."""
+    parts = [getattr(c, attr) for ch in chunks for c in ch.choices if c.index == index]
+    return "".join(parts) if attr == "text" else [x for part in parts for x in part]
+
+
+def last_delta(chunks, index=0):
+    return [c for ch in chunks for c in ch.choices if c.index == index][-1]
+
+
+def wait_idle(replica, timeout=2.0):
+    """Engine stats once no request runs and every KV block is free (abort lands async)."""
+    stats, end = None, time.monotonic() + timeout
+    while time.monotonic() < end:
+        stats = replica.engine.stats()
+        if (
+            stats["num_running"] == stats["num_waiting"] == 0
+            and stats["num_free_blocks"] == stats["num_blocks"]
+        ):
+            return stats
+        time.sleep(0.01)
+    raise AssertionError(f"engine still busy: {stats}")
+
+
+@pytest.fixture(scope="module")
+def reference(replica, prompt):
+    """A greedy run of 32 tokens with per-token texts: the ground truth for the stop tests."""
+    chunks = collect(replica, request(prompt, greedy(), token_texts=True, stream=False))
+    (choice,) = chunks[0].choices
+    assert len(choice.token_ids) == 32 and choice.finish_reason == "length"
+    return choice
+
+
+def test_stream_equals_non_stream_and_decode(replica, prompt, reference):
+    req = request(prompt, greedy(), token_texts=True)
+    chunks = collect(replica, req)
+    assert len(chunks) > 1 and all(ch.request_id == req.request_id for ch in chunks)
+    assert all(ch.choices for ch in chunks)  # no empty chunks
+    assert [ch.finished for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+    ids = joined(chunks, attr="token_ids")
+    assert ids == reference.token_ids
+    assert joined(chunks) == reference.text == replica.tokenizer.decode(ids)
+    final = chunks[-1]
+    assert final.num_prompt_tokens == len(prompt) and final.replica_id == replica.replica_id
+    assert final.stats["num_blocks"] == 128 and final.error is None
+    assert last_delta(chunks).finish_reason == "length"
+    assert last_delta(chunks).num_output_tokens == 32
+    assert sum(len(ch.steps) for ch in chunks) == 32
+    assert chunks[0].steps[0].prefill_time_ms is not None
+    assert chunks[-1].steps[0].decode_time_ms is not None
+
+
+def test_token_texts_one_per_token(replica, prompt, reference):
+    assert len(reference.token_texts) == len(reference.token_ids)
+    assert "".join(reference.token_texts) == reference.text
+    chunks = collect(replica, request(prompt, greedy(), token_texts=True))
+    for ch in chunks:
+        for c in ch.choices:
+            assert len(c.token_texts) == len(c.token_ids)
+    assert joined(chunks, attr="token_texts") == reference.token_texts
+    plain = collect(replica, request(prompt, greedy(4)))
+    assert all(c.token_texts is None and c.logprobs is None for c in plain[-1].choices)
+
+
+def spanning_stop(reference):
+    """A stop string made of the end of one token and the start of the next."""
+    texts, full = reference.token_texts, reference.text
+    for k in range(3, len(texts) - 1):
+        a, b = texts[k], texts[k + 1]
+        if len(a) >= 2 and len(b) >= 2:
+            stop = a[-2:] + b[:2]
+            start = len("".join(texts[: k + 1])) - 2
+            if full.find(stop) == start:
+                return stop, start, k + 2  # tokens up to and including the completing one
+    pytest.skip("no token boundary with two-character tokens on both sides")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens(replica, prompt, reference, stream, include, monkeypatch):
+    stop, start, num_tokens = spanning_stop(reference)
+    engine, steps = replica.engine.engine, []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    req = request(
+        prompt,
+        greedy(64),
+        stop=["never-there", stop],
+        include_stop_str_in_output=include,
+        stream=stream,
+        token_texts=True,
+    )
+    chunks = collect(replica, req)
+    end = start + len(stop) if include else start
+    assert joined(chunks) == reference.text[:end]
+    # nothing past the stop string, in any chunk, in any field
+    assert "".join(joined(chunks, attr="token_texts")) == reference.text[: start + len(stop)]
+    assert joined(chunks, attr="token_ids") == reference.token_ids[:num_tokens]
+    last = last_delta(chunks)
+    assert (last.finish_reason, last.stop_reason) == ("stop_string", stop)
+    assert last.num_output_tokens == num_tokens and chunks[-1].finished
+    wait_idle(replica)  # the engine request ended at that step (aborted, blocks freed)
+    # one step per token, plus at most one already running when the abort arrived (of 64)
+    assert len(steps) <= num_tokens + 2
+
+
+def test_stop_string_in_first_token(replica, prompt, reference):
+    stop = reference.token_texts[0][:2]
+    chunks = collect(replica, request(prompt, greedy(64), stop=[stop]))
+    assert joined(chunks) == reference.text[: reference.text.find(stop)]
+    assert last_delta(chunks).num_output_tokens == 1
+    wait_idle(replica)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_ids(replica, prompt, reference, include):
+    ids = reference.token_ids
+    k = next(i for i in range(4, len(ids)) if ids[i] not in ids[:i])
+    params = greedy(64, stop_token_ids=[ids[k]])
+    chunks = collect(replica, request(prompt, params, include_stop_str_in_output=include))
+    assert joined(chunks, attr="token_ids") == ids[: k + 1]
+    decode = replica.tokenizer.decode
+    assert joined(chunks) == decode(ids[: k + 1] if include else ids[:k])
+    last = last_delta(chunks)
+    assert (last.finish_reason, last.stop_reason) == ("stop_token", ids[k])
+    assert last.num_output_tokens == k + 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n2_stop_string_ends_one_choice(replica, prompt, stream):
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    base = collect(replica, request(prompt, params, token_texts=True, stream=False))[0].choices
+    assert [c.index for c in base] == [0, 1] and base[0].text != base[1].text
+    stop = next(
+        t
+        for t in base[0].token_texts[4:]
+        if len(t) >= 3 and t not in base[1].text and base[0].text.count(t) == 1
+    )
+    chunks = collect(replica, request(prompt, params, stop=[stop], stream=stream))
+    first, second = last_delta(chunks, 0), last_delta(chunks, 1)
+    assert joined(chunks, 0) == base[0].text[: base[0].text.find(stop)]
+    assert (first.finish_reason, first.stop_reason) == ("stop_string", stop)
+    assert joined(chunks, 1) == base[1].text and second.finish_reason == "length"
+    assert second.num_output_tokens == 24 and chunks[-1].finished
+    wait_idle(replica)
+
+
+@pytest.mark.parametrize("texts", [True, False])
+def test_logprobs(replica, prompt, reference, texts):
+    req = request(prompt, greedy(8, logprobs=3), logprob_texts=texts, stream=False)
+    (choice,) = collect(replica, req)[0].choices
+    assert len(choice.logprobs) == len(choice.token_ids) == 8
+    decode = replica.tokenizer.decode
+    for token_id, lp in zip(choice.token_ids, choice.logprobs, strict=True):
+        assert lp.token_id == token_id and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == token_id  # greedy: the best one
+        assert lp.token == (decode([token_id]) if texts else "")
+        assert [t for _, t, _ in lp.top] == (
+            [decode([i]) for i, _, _ in lp.top] if texts else [""] * 3
+        )
+    assert choice.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in choice.logprobs))
+    streamed = collect(replica, request(prompt, greedy(8, logprobs=0)))
+    assert [len(c.logprobs) for ch in streamed for c in ch.choices] == [
+        len(c.token_ids) for ch in streamed for c in ch.choices
+    ]
+
+
+def test_timeout_before_first_token(replica, prompt):
+    chunks = collect(replica, request(prompt, greedy(64), timeout_s=0.0))
+    final = chunks[-1]
+    assert final.finished and final.error_kind == "timeout" and "timed out" in final.error
+    assert last_delta(chunks).finish_reason == "timeout"
+    wait_idle(replica)
+
+
+def test_timeout_mid_stream(replica, prompt):
+    chunks = collect(replica, request(prompt, greedy(64), timeout_s=0.05, token_texts=True))
+    assert chunks[-1].error_kind == "timeout" and len(joined(chunks, attr="token_ids")) < 64
+    ids = joined(chunks, attr="token_ids")
+    assert joined(chunks) == replica.tokenizer.decode(ids)
+    assert len(joined(chunks, attr="token_texts")) == len(ids)
+    wait_idle(replica)
+
+
+@pytest.mark.parametrize(
+    "prompt_ids",
+    [[1, 2, 200_000], list(range(100, 700))],  # out of vocabulary; longer than maxSeqLen
+    ids=["bad_id", "too_long"],
+)
+def test_rejected(replica, prompt_ids):
+    chunks = collect(replica, request(prompt_ids, greedy(8)))
+    assert len(chunks) == 1
+    final = chunks[0]
+    assert final.finished and final.error_kind == "rejected" and final.error
+    assert final.choices == [] and final.replica_id == replica.replica_id
+    assert final.num_prompt_tokens == len(prompt_ids)
+
+
+def test_closing_the_stream_aborts(replica, prompt):
+    async def run():
+        stream = replica.generate(request(prompt, greedy(64)))
+        first = await stream.__anext__()
+        await stream.aclose()
+        return first
+
+    first = asyncio.run(run())
+    assert not first.finished and first.choices[0].token_ids
+    wait_idle(replica)
+
+
+def test_abort_method_ends_with_aborted(replica, prompt):
+    req = request(prompt, greedy(64))
+
+    async def run():
+        chunks = []
+        async for chunk in replica.generate(req):
+            if not chunks:
+                await replica.abort(req.request_id)
+            chunks.append(chunk)
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks[-1].finished and last_delta(chunks).finish_reason == "aborted"
+    assert len(joined(chunks, attr="token_ids")) < 64
+    wait_idle(replica)
+
+
+def test_stats_health_device_info(replica):
+    stats = asyncio.run(replica.stats())
+    assert stats["replica_id"] == replica.replica_id and stats["model"] == "demo"
+    assert {"num_running", "num_free_blocks", "num_blocks"} <= stats.keys()
+    replica.check_health()
+    info = asyncio.run(replica.device_info())
+    assert info["device"] == "cpu" and info["replica_id"] == replica.replica_id
+    assert {"ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} <= info.keys()
+
+
+def test_shutdown_fails_health_check():
+    other = ModelReplica(CONFIG)
+    other.check_health()
+    other.shutdown()
+    with pytest.raises(RuntimeError, match="not running"):
+        other.check_health()
+    other.shutdown()  # idempotent
