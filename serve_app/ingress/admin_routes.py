@@ -1,0 +1,107 @@
+"""Health, readiness, model listing, metrics and stopInfer (MindIE management + OpenAI models)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from fastapi import APIRouter, Depends, Response
+from pydantic import BaseModel, Field
+
+from serve_app.ingress.app import pipeline_of
+from serve_app.ingress.metrics import CONTENT_TYPE
+from serve_app.ingress.pipeline import Pipeline
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.fields import STRICT
+
+router = APIRouter()
+_STATS_TIMEOUT_S = 2.0
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
+
+
+@router.get("/health", tags=["health"])
+async def health() -> dict:
+    return {"status": "healthy"}
+
+
+@router.get("/v2/health/live", tags=["health"])
+async def live() -> dict:
+    return {"live": True}
+
+
+@router.get("/v2/health/ready", tags=["health"])
+async def ready(p: Pipeline = Depends(pipeline_of)) -> dict:
+    if not await p.backend.ready():
+        raise APIError("unavailable", "the model replicas are still loading")
+    return {"ready": True}
+
+
+@router.get("/v2/models/{model}/ready", tags=["health"])
+async def model_ready(model: str, p: Pipeline = Depends(pipeline_of)) -> dict:
+    p.check_model(model)
+    if not await p.backend.ready():
+        raise APIError("unavailable", f"model {model!r} is still loading")
+    return {"ready": True}
+
+
+@router.get("/v1/models", tags=["openai"])
+async def list_models(p: Pipeline = Depends(pipeline_of)) -> dict:
+    return {"object": "list", "data": [_model_card(p, name) for name in p.model_names]}
+
+
+@router.get("/v1/models/{model}", tags=["openai"])
+async def get_model(model: str, p: Pipeline = Depends(pipeline_of)) -> dict:
+    return _model_card(p, p.check_model(model))
+
+
+def _model_card(p: Pipeline, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": p.created,
+        "owned_by": "serve_app",
+        "max_model_len": p.limits.max_seq_len,
+    }
+
+
+@router.get("/v2", tags=["triton"])
+async def server_metadata(p: Pipeline = Depends(pipeline_of)) -> dict:
+    return {
+        "name": "serve_app",
+        "version": "0.1.0",
+        "extensions": {"max_iter_times": p.limits.max_iter_times, "generate": True},
+    }
+
+
+@router.get("/v2/models/{model}", tags=["triton"])
+async def model_metadata(model: str, p: Pipeline = Depends(pipeline_of)) -> dict:
+    return {"name": p.check_model(model), "versions": ["1"], "platform": "serve_app"}
+
+
+@router.get("/metrics", tags=["health"])
+async def metrics(p: Pipeline = Depends(pipeline_of)) -> Response:
+    for model in p.model_names:  # fresh engine gauges; a busy or loading replica is skipped
+        with contextlib.suppress(Exception):
+            stats = await asyncio.wait_for(p.backend.stats(model), _STATS_TIMEOUT_S)
+            p.metrics.update_stats(model, stats)
+    return Response(p.metrics.render(), media_type=CONTENT_TYPE)
+
+
+class StopInferRequest(BaseModel):
+    model_config = STRICT
+
+    id: str = Field(
+        pattern=REQUEST_ID_PATTERN,
+        description="The `id` of a running generate request: letters, digits, '_', '-'; <= 256.",
+    )
+
+
+@router.post("/v2/models/{model}/stopInfer", tags=["mindie"])
+async def stop_infer(
+    model: str, body: StopInferRequest, p: Pipeline = Depends(pipeline_of)
+) -> dict:
+    """Stops a running request by the `id` it was sent with; its KV blocks are freed."""
+    p.check_model(model)
+    if not p.stops.stop(body.id):
+        raise APIError("not_found", f"no running request has id {body.id!r}", "id")
+    return {"id": body.id}

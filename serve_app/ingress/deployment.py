@@ -1,0 +1,31 @@
+"""The `Ingress` deployment: a plain class whose ASGI app is built at replica start.
+
+`serve.ingress()` without an app calls `__serve_build_asgi_app__` after the constructor, so the
+FastAPI app is made per replica from the config and the handles it was bound with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app.config import load_config
+from serve_app.ingress.app import create_app
+from serve_app.ingress.backend import RayBackend
+
+
+class Ingress:
+    def __init__(
+        self,
+        tokenizer_pool: Any,
+        replicas: dict[str, Any],
+        config: dict,
+        replica_deployments: list[str],
+    ) -> None:
+        from ray import serve
+
+        self.config = load_config(config)
+        self.backend = RayBackend(tokenizer_pool, replicas, serve.get_replica_context().app_name)
+        self.backend.replica_deployments = list(replica_deployments)
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.config, self.backend)

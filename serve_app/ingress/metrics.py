@@ -1,0 +1,111 @@
+"""Prometheus metrics at /metrics, MindIE's names (MINDIE.md), label model_name.
+
+Request-level histograms and counters are observed in the ingress as requests finish; the engine
+gauges (running, waiting, KV usage, preemptions, prefix-cache hit rate) come from the stats that
+each model replica attaches to its final chunk and to /metrics-time polls, kept per replica and
+summed (KV usage averaged) across replicas.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_STALE_S = 300.0  # a replica silent for this long (scaled down, dead) stops counting
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        label = ["model_name"]
+
+        def counter(name, doc):
+            return Counter(name, doc, label, registry=self.registry)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, label, buckets=buckets, registry=self.registry)
+
+        self.received = counter("request_received", "Requests received.")
+        self.success = counter("request_success", "Requests that finished normally.")
+        self.failed = counter("request_failed", "Requests that ended with an error.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Time to first token.",
+            (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10),
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Time per output token after the first.",
+            (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            (1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60),
+        )
+        token_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", token_buckets
+        )
+        self._replica_stats: dict[str, dict[str, tuple[float, dict]]] = {}
+        self.registry.register(_EngineCollector(self))
+
+    def update_stats(self, model: str, stats: dict | None) -> None:
+        if stats:
+            replica = str(stats.get("replica_id", ""))
+            self._replica_stats.setdefault(model, {})[replica] = (time.monotonic(), stats)
+
+    def live_stats(self, model: str) -> list[dict]:
+        now = time.monotonic()
+        return [s for t, s in self._replica_stats.get(model, {}).values() if now - t < _STALE_S]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", "num_running", sum),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", "num_waiting", sum),
+            "num_requests_swapped": ("Requests swapped to host memory.", "num_swapped", sum),
+            "npu_cache_usage_perc": ("KV cache usage, 0..1.", "kv_usage", _mean),
+            "npu_prefix_cache_hit_rate": ("Prefix cache hit rate, 0..1.", "hit_rate", _mean),
+        }
+        families = {
+            name: GaugeMetricFamily(name, doc, labels=["model_name"])
+            for name, (doc, _, _) in gauges.items()
+        }
+        preemptions = CounterMetricFamily(
+            "num_preemptions", "Preemptions (recompute) so far.", labels=["model_name"]
+        )
+        for model in list(self.metrics._replica_stats):
+            stats = self.metrics.live_stats(model)
+            for s in stats:
+                queries = s.get("prefix_cache_queries") or 0
+                s.setdefault(
+                    "hit_rate", (s.get("prefix_cache_hits") or 0) / queries if queries else 0.0
+                )
+            for name, (_, key, combine) in gauges.items():
+                families[name].add_metric([model], combine([float(s.get(key, 0)) for s in stats]))
+            preemptions.add_metric([model], sum(float(s.get("num_preemptions", 0)) for s in stats))
+        yield from families.values()
+        yield preemptions
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,241 @@
+"""One request's way through the graph, shared by every API family.
+
+`Pipeline.tokenize` asks the tokenizer pool for prompt ids (a rejection becomes an `APIError`);
+`Pipeline.generate` iterates the model replica's chunks while watching three ways to end early:
+the request's own `timeout`, a stopInfer for its id, and the client going away (the task is
+cancelled). Leaving early closes the replica stream, which aborts the request there and frees
+its KV blocks. Metrics are observed here, once for every family.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from serve_app.config import AppConfig
+from serve_app.ingress.backend import Backend
+from serve_app.ingress.metrics import Metrics
+from serve_app.messages import (
+    ChoiceDelta,
+    Rejection,
+    ReplicaChunk,
+    ReplicaRequest,
+    TokenizedPrompt,
+    TokenizeRequest,
+)
+from serve_app.protocol.errors import APIError, from_rejection
+from serve_app.tokenizer.limits import TokenLimits
+
+# The ingress's own timer is a backstop behind the engine's deadline for the same timeout, so
+# that a request stuck before the engine (queued at a busy replica) still ends.
+_BACKSTOP_S = 1.0
+_ERROR_KIND = {"timeout": "timeout", "rejected": "rejected", "engine": "engine"}
+_ids = itertools.count(1)
+
+
+class StopRegistry:
+    """Client-visible request ids (Triton `id`) -> the event that stops that request."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+
+    def register(self, key: str) -> asyncio.Event:
+        if key in self._events:
+            raise APIError("validation", f"a request with id {key!r} is already running", "id")
+        event = self._events[key] = asyncio.Event()
+        return event
+
+    def unregister(self, key: str, event: asyncio.Event) -> None:
+        if self._events.get(key) is event:
+            del self._events[key]
+
+    def stop(self, key: str) -> bool:
+        event = self._events.get(key)
+        if event is None:
+            return False
+        event.set()
+        return True
+
+
+class Pipeline:
+    def __init__(self, config: AppConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        deploy = config.BackendConfig.ModelDeployConfig
+        sched = config.BackendConfig.ScheduleConfig
+        self.model_names = [m.modelName for m in deploy.ModelConfig]
+        self.default_model = self.model_names[0]
+        # Model-independent limits for the protocol layer (max_tokens defaults and ranges); the
+        # tokenizer pool applies the full rules with each model's max_position_embeddings.
+        self.limits = TokenLimits(
+            max_seq_len=deploy.maxSeqLen,
+            max_input_token_len=deploy.maxInputTokenLen,
+            max_iter_times=sched.maxIterTimes,
+            truncation=deploy.truncation,
+        )
+        self.pd_mode = config.ServerConfig.inferMode == "dmi"
+        self.stops = StopRegistry()
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    # -- helpers for the routes -------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        """The served model for a request's `model` (None: the first one)."""
+        if name is None:
+            return self.default_model
+        if name not in self.model_names:
+            raise APIError(
+                "not_found",
+                f"model {name!r} is not served here; served models: {', '.join(self.model_names)}",
+                "model",
+            )
+        return name
+
+    @staticmethod
+    def new_request_id(prefix: str = "req") -> str:
+        return f"{prefix}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt:
+        result = await self.backend.tokenize(req)
+        if isinstance(result, Rejection):
+            raise from_rejection(result)
+        return result
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self, model: str, req: ReplicaRequest, stop_key: str | None = None
+    ) -> AsyncIterator[ReplicaChunk]:
+        """The replica's chunks. Errors raise `APIError`; a stopInfer ends the stream with a
+        final chunk whose unfinished choices have finish_reason "aborted"."""
+        stop_event = self.stops.register(stop_key) if stop_key is not None else asyncio.Event()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + req.timeout_s + _BACKSTOP_S if req.timeout_s else None
+        upstream = self.backend.generate(model, req)
+        self.metrics.received.labels(model).inc()
+        first_token_at, num_tokens, num_prompt, finished = None, 0, 0, False
+        outcome, next_chunk = "failed", None
+        try:
+            while True:
+                next_chunk = asyncio.ensure_future(anext(upstream))
+                stopped = asyncio.ensure_future(stop_event.wait())
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                done, _ = await asyncio.wait(
+                    {next_chunk, stopped}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                stopped.cancel()
+                if next_chunk not in done:
+                    next_chunk.cancel()
+                    with contextlib.suppress(BaseException):
+                        await next_chunk
+                    if stop_event.is_set():
+                        outcome = "success"
+                        yield _stopped_chunk(req)
+                        return
+                    raise APIError(
+                        "timeout",
+                        f"Engine callback timeout: the request did not finish within its "
+                        f"timeout of {req.timeout_s:g} s",
+                        "timeout",
+                    )
+                try:
+                    chunk = next_chunk.result()
+                except StopAsyncIteration:
+                    return
+                if chunk.error is not None:
+                    self.metrics.update_stats(model, chunk.stats)
+                    raise APIError(_ERROR_KIND.get(chunk.error_kind or "", "engine"), chunk.error)
+                new = sum(len(c.token_ids) for c in chunk.choices)
+                if new and first_token_at is None:
+                    first_token_at = loop.time()
+                num_tokens += new
+                num_prompt = chunk.num_prompt_tokens or num_prompt
+                if chunk.finished:
+                    finished, outcome = True, "success"
+                    self.metrics.update_stats(model, chunk.stats)
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            if next_chunk is not None and not next_chunk.done():
+                next_chunk.cancel()  # the client went away mid-wait: the replica aborts
+            if stop_key is not None:
+                self.stops.unregister(stop_key, stop_event)
+            if not finished:
+                with contextlib.suppress(BaseException):
+                    await upstream.aclose()
+            self._observe(
+                model, outcome, start, loop.time(), first_token_at, num_prompt, num_tokens
+            )
+
+    async def collect(self, model: str, req: ReplicaRequest, stop_key: str | None = None):
+        """Non-stream: every chunk folded into one (text, ids, logprobs and steps concatenated)."""
+        merged = ReplicaChunk(request_id=req.request_id)
+        choices: dict[int, ChoiceDelta] = {}
+        async for chunk in self.generate(model, req, stop_key):
+            merge_chunk(merged, choices, chunk)
+        merged.choices = [choices[i] for i in sorted(choices)]
+        return merged
+
+    def _observe(self, model, outcome, start, end, first_token_at, num_prompt, num_tokens) -> None:
+        m = self.metrics
+        (m.success if outcome == "success" else m.failed).labels(model).inc()
+        m.prompt_tokens.labels(model).inc(num_prompt)
+        m.generation_tokens.labels(model).inc(num_tokens)
+        m.request_prompt_tokens.labels(model).observe(num_prompt)
+        m.request_generation_tokens.labels(model).observe(num_tokens)
+        m.e2e.labels(model).observe(end - start)
+        if first_token_at is not None:
+            m.ttft.labels(model).observe(first_token_at - start)
+            if num_tokens > 1:
+                m.tpot.labels(model).observe((end - first_token_at) / (num_tokens - 1))
+
+
+def merge_chunk(merged: ReplicaChunk, choices: dict[int, ChoiceDelta], chunk: ReplicaChunk):
+    """Fold a chunk into an accumulated one (used for non-stream responses and tests)."""
+    merged.steps.extend(chunk.steps)
+    merged.finished = chunk.finished
+    merged.num_prompt_tokens = chunk.num_prompt_tokens or merged.num_prompt_tokens
+    merged.stats = chunk.stats or merged.stats
+    merged.replica_id = chunk.replica_id or merged.replica_id
+    for delta in chunk.choices:
+        acc = choices.get(delta.index)
+        if acc is None:
+            choices[delta.index] = ChoiceDelta(
+                index=delta.index,
+                token_ids=list(delta.token_ids),
+                text=delta.text,
+                token_texts=list(delta.token_texts) if delta.token_texts is not None else None,
+                logprobs=list(delta.logprobs) if delta.logprobs is not None else None,
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+                num_output_tokens=delta.num_output_tokens,
+                cumulative_logprob=delta.cumulative_logprob,
+            )
+            continue
+        acc.token_ids.extend(delta.token_ids)
+        acc.text += delta.text
+        if delta.token_texts is not None:
+            acc.token_texts = (acc.token_texts or []) + list(delta.token_texts)
+        if delta.logprobs is not None:
+            acc.logprobs = (acc.logprobs or []) + list(delta.logprobs)
+        acc.finish_reason = delta.finish_reason or acc.finish_reason
+        acc.stop_reason = delta.stop_reason if delta.stop_reason is not None else acc.stop_reason
+        acc.num_output_tokens = max(acc.num_output_tokens, delta.num_output_tokens)
+        if delta.cumulative_logprob is not None:
+            acc.cumulative_logprob = delta.cumulative_logprob
+
+
+def _stopped_chunk(req: ReplicaRequest) -> ReplicaChunk:
+    """The end of a request stopped by stopInfer: every choice finishes as "aborted"."""
+    n = req.params.n
+    choices = [
+        ChoiceDelta(index=i, token_ids=[], text="", finish_reason="aborted") for i in range(n)
+    ]
+    return ReplicaChunk(request_id=req.request_id, choices=choices, finished=True)

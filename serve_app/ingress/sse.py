@@ -1,0 +1,48 @@
+"""Server-sent events framing, and the "peek the first chunk" start of every stream.
+
+Peeking means an error that happens before any token exists (a rejected request, an engine that
+cannot take it) is still an HTTP error with the family's status and body, and only a stream that
+has really started answers 200 (Ray Serve LLM does the same).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from serve_app.messages import ReplicaChunk
+
+DONE = "data: [DONE]\n\n"
+MEDIA_TYPE = "text/event-stream"
+
+
+def event(payload: dict) -> str:
+    """One SSE event; compact JSON like the seeds' examples, non-ASCII text kept as is."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def peek(chunks: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
+    """Awaits the first chunk now (errors raise here, before the response starts) and returns
+    an iterator that yields it again followed by the rest."""
+    first = await anext(chunks, None)
+
+    async def replay() -> AsyncIterator[ReplicaChunk]:
+        try:
+            if first is not None:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    return replay()
+
+
+def sse_response(events: AsyncIterator[str], headers: dict | None = None) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type=MEDIA_TYPE,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+    )

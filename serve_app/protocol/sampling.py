@@ -1,0 +1,78 @@
+"""What the API families share: finish-reason words and the sampling mapping.
+
+Engine finish reasons (`FinishReason` values, as they arrive in `ChoiceDelta.finish_reason`) map
+onto each family's words here, once. MindIE's routes (seeds 000, 002) say eos_token /
+stop_sequence / length; the vLLM-style completions route (seed 004) says stop / length.
+"""
+
+from __future__ import annotations
+
+from serve_app.engine.params import SamplingParams
+
+MINDIE_FINISH = {
+    "eos": "eos_token",
+    "stop_token": "stop_sequence",
+    "stop_string": "stop_sequence",
+    "length": "length",
+    "aborted": "stop_sequence",  # cancelled or stopped (seed 000: "CANCEL or STOP")
+    "timeout": "stop_sequence",
+}
+OPENAI_FINISH = {
+    "eos": "stop",
+    "stop_token": "stop",
+    "stop_string": "stop",
+    "length": "length",
+    "aborted": "abort",
+    "timeout": "abort",
+}
+
+
+def mindie_finish(reason: str | None) -> str | None:
+    return None if reason is None else MINDIE_FINISH.get(reason, reason)
+
+
+def openai_finish(reason: str | None) -> str | None:
+    return None if reason is None else OPENAI_FINISH.get(reason, reason)
+
+
+def sampling_params(
+    *,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    do_sample: bool | None = None,
+    seed: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    max_tokens: int | None = None,
+    n: int | None = None,
+    best_of: int | None = None,
+    use_beam_search: bool = False,
+    ignore_eos: bool = False,
+    stop_token_ids: list[int] | None = None,
+    logprobs: int | None = None,
+) -> SamplingParams:
+    """Validated request values -> SamplingParams; None means "the engine default".
+
+    top_k -1 / 0 / >= vocab means off (seeds 000, 004: ">= vocabSize -> vocabSize").
+    do_sample false means greedy whatever the temperature; temperature 0 means greedy.
+    """
+    n = n or 1
+    return SamplingParams(
+        n=n,
+        best_of=best_of if best_of is not None else n,
+        use_beam_search=use_beam_search,
+        temperature=1.0 if temperature is None else float(temperature),
+        do_sample=True if do_sample is None else bool(do_sample),
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        top_p=1.0 if top_p is None else float(top_p),
+        repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+        presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
+        frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
+        seed=seed,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        stop_token_ids=[t for t in (stop_token_ids or []) if 0 <= t <= 2**31 - 1],
+        logprobs=logprobs,
+    )

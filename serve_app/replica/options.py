@@ -1,0 +1,104 @@
+"""Ray Serve options of each deployment, derived from the config in one place.
+
+Accelerator pinning: a model replica asks Ray for its devices as resources, and Ray tells the
+worker which ones it got through an environment variable the device runtime honours:
+`resources: {NPU: worldSize}` on Ascend (Ray sets ASCEND_RT_VISIBLE_DEVICES), `num_gpus:
+worldSize` on CUDA (CUDA_VISIBLE_DEVICES), nothing on CPU. `device: auto` picks from what the
+cluster advertises when Ray is up, else from what this machine has. The user's
+`Deployments.<name>` options are merged over these defaults (resources dict merged key by key).
+"""
+
+from __future__ import annotations
+
+import glob
+from typing import Any
+
+from serve_app.config import AppConfig, DeploymentOptions
+
+
+def detect_accelerator(cluster_resources: dict | None = None) -> str:
+    """'npu', 'cuda' or 'cpu' for device auto: the cluster's resources, else this machine."""
+    if cluster_resources is None:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                cluster_resources = ray.cluster_resources()
+        except Exception:  # no Ray here: look at the local machine
+            cluster_resources = None
+    if cluster_resources is not None:
+        if cluster_resources.get("NPU", 0) > 0:
+            return "npu"
+        return "cuda" if cluster_resources.get("GPU", 0) > 0 else "cpu"
+    if glob.glob("/dev/davinci[0-9]*"):
+        return "npu"
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def _merge(defaults: dict[str, Any], user: DeploymentOptions) -> dict[str, Any]:
+    options = dict(defaults)
+    for key, value in user.serve_options().items():
+        if key == "ray_actor_options":
+            actor = dict(options.get("ray_actor_options", {}))
+            for k, v in value.items():
+                if k == "resources":
+                    actor["resources"] = {**actor.get("resources", {}), **v}
+                else:
+                    actor[k] = v
+            options["ray_actor_options"] = actor
+        else:
+            options[key] = value
+    if options.get("autoscaling_config") or options.get("num_replicas") == "auto":
+        # Ray Serve refuses a fixed replica count together with autoscaling
+        if options.get("num_replicas") != "auto":
+            options.pop("num_replicas", None)
+    return options
+
+
+def model_replica_options(
+    config: AppConfig, model_index: int = 0, cluster_resources: dict | None = None
+) -> dict[str, Any]:
+    model = config.BackendConfig.ModelDeployConfig.ModelConfig[model_index]
+    device = model.device
+    if device == "auto":
+        device = detect_accelerator(cluster_resources)
+    actor: dict[str, Any] = {"num_cpus": 1}
+    if device == "npu":
+        actor["resources"] = {"NPU": model.worldSize}
+    elif device == "cuda":
+        actor["num_gpus"] = model.worldSize
+    defaults = {
+        "num_replicas": 1,
+        # Requests queue inside the engine, where priorities and batching apply, not at the handle.
+        "max_ongoing_requests": config.ServerConfig.maxLinkNum,
+        "ray_actor_options": actor,
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 60,
+    }
+    return _merge(defaults, config.Deployments.ModelReplica)
+
+
+def tokenizer_pool_options(config: AppConfig) -> dict[str, Any]:
+    defaults = {
+        "num_replicas": config.BackendConfig.tokenizerProcessNumber,
+        "max_ongoing_requests": config.ServerConfig.maxLinkNum,
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    return _merge(defaults, config.Deployments.TokenizerPool)
+
+
+def ingress_options(config: AppConfig) -> dict[str, Any]:
+    link = config.ServerConfig.maxLinkNum
+    defaults = {
+        "num_replicas": 1,
+        # MindIE: maxLinkNum requests served at once, twice as many queued, the rest refused.
+        "max_ongoing_requests": link,
+        "max_queued_requests": 2 * link,
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    return _merge(defaults, config.Deployments.Ingress)

@@ -1,0 +1,169 @@
+"""The app under Ray Serve, over real HTTP: placement, every family's seed example, the openai
+client, disconnects, stopInfer, readiness, metrics and the OpenAPI docs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _events(response: httpx.Response) -> list:
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_model_replica_is_pinned_to_the_npu_node(cluster, http):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ModelReplica", app_name="serve_app")
+    info = handle.device_info.remote().result(timeout_s=30)
+    assert info["node_id"] == cluster.npu_node_id  # the only node advertising NPU
+    assert info["ASCEND_RT_VISIBLE_DEVICES"] == "0"
+    # the ingress and the tokenizer pool ask for no NPU, so they run on the head as well
+    reply = http.post("/infer", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+    assert reply.is_success
+
+
+def test_ready_health_models_docs(http):
+    assert http.get("/v2/health/ready").status_code == 200
+    assert http.get("/v2/health/live").status_code == 200
+    assert http.get("/health").status_code == 200
+    assert http.get("/v2/models/demo/ready").status_code == 200
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["demo"]
+    paths = http.get("/openapi.json").json()["paths"]
+    for route in (
+        "/infer", "/infer_token", "/v1/chat/completions", "/v1/completions",
+        "/v2/models/{model}/generate", "/v2/models/{model}/generate_stream",
+        "/v2/models/{model}/stopInfer", "/v1/models", "/metrics", "/v2/health/ready",
+    ):  # fmt: skip
+        assert route in paths, route
+    assert http.get("/docs").status_code == 200
+
+
+def test_infer_token_seed_example(http, kv_idle_http):
+    body = {
+        "input_id": [5618, 19678, 701, 9072, 13],
+        "stream": False,
+        "parameters": {
+            "temperature": 0.5, "top_k": 10, "top_p": 0.95, "max_new_tokens": 20,
+            "do_sample": True, "seed": None, "repetition_penalty": 1.03, "details": True,
+            "typical_p": 0.5, "watermark": False, "priority": 5, "timeout": 10,
+        },
+    }  # fmt: skip
+    r = http.post("/infer_token", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"generated_text", "details"}
+    assert out["details"]["generated_tokens"] == 20 and out["details"]["finish_reason"] == "length"
+    with http.stream("POST", "/infer_token", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _events(r)
+    assert len(events) == 20
+    assert events[0]["prefill_time"] is not None and events[0]["decode_time"] is None
+    assert events[-1]["token"]["text"] is None and "generated_text" in events[-1]
+    assert kv_idle_http()
+
+
+def test_chat_and_completions_with_the_openai_client(server, kv_idle_http):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=8
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+            stream=True, seed=7,
+        )
+        if c.choices
+    ]  # fmt: skip
+    assert "".join(pieces)
+    done = client.completions.create(model="demo", prompt="who are you", max_tokens=5, n=2,
+                                     best_of=2, logprobs=2, temperature=1)  # fmt: skip
+    assert len(done.choices) == 2 and done.usage.completion_tokens == 10
+    streamed = list(
+        client.completions.create(model="demo", prompt="who are you", max_tokens=5, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="demo", prompt="x", max_tokens=1, top_p=0)
+    assert kv_idle_http()
+
+
+def test_triton_generate_example(http):
+    r = http.post(
+        "/v2/models/demo/generate",
+        json={
+            "id": "42",
+            "text_input": "client input",
+            "parameters": {"stream": False, "temperature": 0},
+        },
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "42" and out["model_name"] == "demo" and isinstance(out["text_output"], str)
+    r = http.post("/v2/models/nope/generate", json={"text_input": "x"})
+    assert r.status_code >= 400 and set(r.json()) == {"error"}
+
+
+def test_client_disconnect_aborts_and_frees_kv(server, kv_idle_http):
+    body = {"inputs": "tell me a long story", "stream": True,
+            "parameters": {"max_new_tokens": 60, "details": True}}  # fmt: skip
+    with httpx.Client(base_url=server, timeout=60) as c:
+        with c.stream("POST", "/infer", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # the first token arrived: hang up
+    assert kv_idle_http()
+
+
+def test_stop_infer_over_http(server, http, kv_idle_http):
+    body = {"id": "stop-me", "text_input": "count", "parameters": {"max_new_tokens": 64}}
+    result = {}
+
+    def run():
+        with httpx.Client(base_url=server, timeout=60) as c:
+            with c.stream("POST", "/v2/models/demo/generate_stream", json=body) as r:
+                result["events"] = _events(r)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        r = http.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
+        if r.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200 and r.json() == {"id": "stop-me"}
+    thread.join(30)
+    assert kv_idle_http()
+    assert http.post("/v2/models/demo/stopInfer", json={"id": "stop-me"}).status_code == 404
+
+
+def test_metrics(http):
+    text = http.get("/metrics").text
+    for name in (
+        "request_received_total", "request_success_total", "prompt_tokens_total",
+        "generation_tokens_total", "time_to_first_token_seconds_bucket",
+        "time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket",
+        "num_requests_running", "num_requests_waiting", "npu_cache_usage_perc",
+        "num_preemptions_total",
+    ):  # fmt: skip
+        lines = [line for line in text.splitlines() if line.startswith(name + "{")]
+        assert any('model_name="demo"' in line for line in lines), name
