@@ -1,0 +1,88 @@
+"""Routes of the OpenAI-shaped family: POST /v1/chat/completions (seed 002) and /v1/completions
+(seed 004).
+
+Each route: validate (pydantic ranges, then the protocol's cross-rules and PD refusals, so bad
+input costs no model work), tokenize in the pool, then either collect the replica's chunks into
+one body or stream them as SSE. The stream's first chunk is peeked, so a request the engine
+refuses is still an HTTP error; an error after the 200 is one `data: {"error": ...}` event
+followed by [DONE]. Errors are rendered as OpenAI error objects by the app (path /v1/*).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends
+
+from serve_app.ingress import sse
+from serve_app.ingress.app import pipeline_of
+from serve_app.ingress.pipeline import Pipeline
+from serve_app.messages import ReplicaChunk
+from serve_app.protocol.openai_chat import ChatCompletionRequest, ChatStream, chat_response
+from serve_app.protocol.openai_common import error_payload
+from serve_app.protocol.openai_completions import (
+    CompletionRequest,
+    CompletionStream,
+    completion_response,
+)
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, p: Pipeline = Depends(pipeline_of)):
+    """Chat with the model through its chat template (seed 002's request and response)."""
+    model = p.check_model(body.model)
+    body.check(p.pd_mode)
+    prompt = await p.tokenize(body.tokenize_request(model))
+    request_id = p.new_request_id("chatcmpl")
+    req = body.replica_request(request_id, prompt, p.limits)
+    created, logprobs = int(time.time()), bool(body.logprobs)
+    if not body.stream:
+        chunk = await p.collect(model, req)
+        return chat_response(request_id, created, model, chunk, prompt.num_prompt_tokens, logprobs)
+    chunks = await sse.peek(p.generate(model, req))
+    stream = ChatStream(
+        request_id, created, model, prompt.num_prompt_tokens, logprobs, body.include_usage
+    )
+    return sse.sse_response(_events(chunks, stream.events))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, p: Pipeline = Depends(pipeline_of)):
+    """Complete a prompt (seed 004's request and response; beam search streams as one event)."""
+    model = p.check_model(body.model)
+    body.check(p.pd_mode)
+    prompt = await p.tokenize(body.tokenize_request(model))
+    request_id = p.new_request_id("cmpl")
+    req = body.replica_request(request_id, prompt, p.limits)
+    created, logprobs = int(time.time()), body.logprobs is not None
+
+    def whole(chunk: ReplicaChunk) -> dict:
+        return completion_response(
+            request_id, created, model, chunk, prompt.num_prompt_tokens, logprobs
+        )
+
+    if not body.stream:
+        return whole(await p.collect(model, req))
+    chunks = await sse.peek(p.generate(model, req))
+    if body.fake_stream:  # the replica sends one final chunk (req.stream is False)
+        return sse.sse_response(_events(chunks, lambda chunk: [whole(chunk)]))
+    stream = CompletionStream(request_id, created, model, prompt.num_prompt_tokens, logprobs)
+    return sse.sse_response(_events(chunks, stream.events))
+
+
+async def _events(
+    chunks: AsyncIterator[ReplicaChunk], render: Callable[[ReplicaChunk], list[dict]]
+) -> AsyncIterator[str]:
+    """SSE text for the rendered chunks, then [DONE]; a failure mid-stream is an error event."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                for payload in render(chunk):
+                    yield sse.event(payload)
+    except Exception as exc:  # the 200 is sent: the error can only travel in the stream
+        yield sse.event(error_payload(exc))
+    yield sse.DONE

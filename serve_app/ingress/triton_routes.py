@@ -1,0 +1,112 @@
+"""Triton's generate extension (seed 003): `/v2/models/{model}[/versions/{version}]/generate` and
+`.../generate_stream`.
+
+Errors before generation are Triton's {"error": msg} (400 validation, 404 unknown model or
+version); generate_stream peeks the first chunk so those stay HTTP errors, and an error after
+the 200 is one SSE event {"error": msg}. A request with an `id` is registered for
+`POST /v2/models/{model}/stopInfer {"id"}` (admin_routes), which ends it with finish_reason
+stop_sequence and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from serve_app.ingress import sse
+from serve_app.ingress.app import pipeline_of
+from serve_app.ingress.pipeline import Pipeline
+from serve_app.messages import ReplicaChunk, ReplicaRequest, TokenizeRequest
+from serve_app.protocol import triton
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.sampling import sampling_params
+
+router = APIRouter(tags=["triton"])
+MODEL_VERSIONS = ("1",)  # one version per served model (GET /v2/models/{model} says the same)
+_DEFAULT_PRIORITY = 5
+_DEFAULT_TIMEOUT_S = 600.0
+
+
+@router.post("/v2/models/{model}/generate", summary="Generate (Triton extension, seed 003)")
+async def generate(model: str, body: triton.GenerateRequest, p: Pipeline = Depends(pipeline_of)):
+    return await _generate(p, model, None, body, stream=False)
+
+
+@router.post("/v2/models/{model}/versions/{version}/generate", summary="Generate, one version")
+async def generate_version(
+    model: str, version: str, body: triton.GenerateRequest, p: Pipeline = Depends(pipeline_of)
+):
+    return await _generate(p, model, version, body, stream=False)
+
+
+@router.post("/v2/models/{model}/generate_stream", summary="Generate as SSE (seed 003)")
+async def generate_stream(
+    model: str, body: triton.GenerateRequest, p: Pipeline = Depends(pipeline_of)
+):
+    return await _generate(p, model, None, body, stream=True)
+
+
+@router.post(
+    "/v2/models/{model}/versions/{version}/generate_stream", summary="Generate as SSE, one version"
+)
+async def generate_stream_version(
+    model: str, version: str, body: triton.GenerateRequest, p: Pipeline = Depends(pipeline_of)
+):
+    return await _generate(p, model, version, body, stream=True)
+
+
+async def _generate(
+    p: Pipeline, model: str, version: str | None, body: triton.GenerateRequest, stream: bool
+):
+    model = p.check_model(model)
+    if version is not None and version not in MODEL_VERSIONS:
+        raise APIError(
+            "not_found",
+            f"model {model!r} has no version {version!r}; versions: {', '.join(MODEL_VERSIONS)}",
+            "version",
+        )
+    params = body.params
+    max_tokens = p.limits.output_limit(params.output_tokens(), "parameters.max_tokens")
+    prompt = await p.tokenize(
+        TokenizeRequest(model=model, kind="text", text=body.text_input, param="text_input")
+    )
+    req = ReplicaRequest(
+        request_id=p.new_request_id("generate"),
+        prompt_token_ids=prompt.prompt_token_ids,
+        params=sampling_params(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            do_sample=params.do_sample,
+            seed=params.seed,
+            repetition_penalty=params.repetition_penalty,
+            max_tokens=max_tokens,
+        ),
+        priority=params.priority if params.priority is not None else _DEFAULT_PRIORITY,
+        timeout_s=float(params.timeout) if params.timeout is not None else _DEFAULT_TIMEOUT_S,
+        stop=params.stop_list,
+        stream=stream,
+    )
+    head = triton.Head(body.id, model, version or MODEL_VERSIONS[0])
+    with_details = bool(params.details)
+    if not stream:
+        chunk = await p.collect(model, req, stop_key=body.id)
+        return JSONResponse(triton.generate_response(head, chunk, with_details))
+    chunks = await sse.peek(p.generate(model, req, stop_key=body.id))
+    return sse.sse_response(_events(chunks, triton.GenerateStream(head, with_details)))
+
+
+async def _events(chunks: AsyncIterator[ReplicaChunk], stream: triton.GenerateStream):
+    try:
+        async for chunk in chunks:
+            payload = stream.payload(chunk)
+            if payload is not None:
+                yield sse.event(payload)
+    except APIError as exc:  # after the 200: the error is the stream's last event
+        yield sse.event(exc.body("triton"))
+    except Exception as exc:  # a bug must still end the stream in Triton's envelope
+        yield sse.event(APIError("engine", f"internal error: {exc!r}").body("triton"))
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]

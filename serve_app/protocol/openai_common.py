@@ -1,0 +1,116 @@
+"""What the two OpenAI-shaped routes (chat, completions) share: field types, stop strings, the
+PD-mode refusals, usage, and the in-stream error event.
+
+Union-typed fields (`stop`, a completion `prompt`, a chat message's `content`) are validated by
+one plain function each instead of a pydantic union: a union's errors name internal branches
+("stop.str", "stop.list[str]"), while a client needs "stop must be ..., got ...".
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, PlainValidator, WithJsonSchema
+
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
+
+# Seed 004: "List[string] ... total <= 32768 (32*1024)"; "string: 1~32768".
+MAX_STOP_CHARS = 32 * 1024
+_MODEL_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+MODEL_NAME_RULE = (
+    "must be 1 to 256 letters, digits, '.', '-' or '_', not starting or ending with '.', '-' or '_'"
+)
+
+
+def _model_name(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 256 or not _MODEL_NAME.fullmatch(value):
+        raise ValueError(MODEL_NAME_RULE)
+    return value
+
+
+def _stop(value: Any) -> list[str] | None:
+    """Seed 004's stop rules; the result is a list (an empty list means no stop strings)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not 1 <= len(value) <= MAX_STOP_CHARS:
+            raise ValueError(f"must be a string of 1 to {MAX_STOP_CHARS} characters")
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError("must be a string or a list of non-empty strings")
+    if sum(len(s) for s in value) > MAX_STOP_CHARS:
+        raise ValueError(f"must have at most {MAX_STOP_CHARS} characters in all its strings")
+    return value or None
+
+
+_STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+        {"type": "array", "items": {"type": "string", "minLength": 1}},
+        {"type": "null"},
+    ]
+}
+
+ModelName = Annotated[
+    str,
+    PlainValidator(_model_name),
+    WithJsonSchema({"type": "string", "maxLength": 256, "pattern": f"^{_MODEL_NAME.pattern}$"}),
+]
+Stop = Annotated[
+    list[str] | None, PlainValidator(_stop), WithJsonSchema(_STOP_SCHEMA)
+]  # fmt: skip
+Penalty = Annotated[float | None, Range(-2.0, 2.0)]
+RepetitionPenalty = Annotated[float | None, Range(0.0, 2.0, low_open=True)]
+Seed = Annotated[int | None, Range(0, UINT64_MAX, low_open=True)]
+MaxTokens = Annotated[int | None, Range(0, INT32_MAX, low_open=True)]
+TopK = Annotated[int | None, Range(0, INT32_MAX, low_open=True, also=(-1,))]
+Priority = Annotated[int | None, Range(1, 5)]
+NumSeqs = Annotated[int | None, Range(1, 128)]
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+
+    include_usage: bool | None = Field(
+        False, description="Chat: one more chunk before [DONE] with empty choices and usage."
+    )
+
+
+def text_parts(content: Any) -> str:
+    """The text of a message content (a string, or text parts joined as the tokenizer pool
+    joins them), for the 512 KB rule."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part["text"] for part in content)
+
+
+def refuse_in_pd(pd_mode: bool, given: dict[str, bool]) -> None:
+    """inferMode dmi (PD separation) cannot run these (MINDIE.md): refuse before any work."""
+    if not pd_mode:
+        return
+    for param, is_given in given.items():
+        if is_given:
+            raise APIError(
+                "unsupported", f"{param} is not supported in PD (inferMode dmi) mode", param
+            )
+
+
+def invalid(param: str, message: str) -> APIError:
+    return APIError("validation", f"{param} {message}", param)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_payload(exc: BaseException) -> dict:
+    """An error after a stream has started (status 200 already sent): one event with the
+    OpenAI error object, then [DONE]."""
+    error = exc if isinstance(exc, APIError) else APIError("engine", f"internal error: {exc!r}")
+    return error.body("openai")

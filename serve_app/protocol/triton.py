@@ -1,0 +1,187 @@
+"""Triton's generate extension (seed 003) as MindIE serves it: request model and responses.
+
+Place in the request path: `/v2/models/{model}[/versions/{v}]/generate(_stream)` validate the
+body with `GenerateRequest`, and render the replica's chunks with `generate_response` (one JSON
+object) or `GenerateStream` (one SSE event per chunk, text deltas in `text_output`).
+
+Ranges. Seed 003 says parameters are model specific; we use MindIE's ranges for its /v2 generate
+(the /infer ranges of seed 000, MINDIE.md) with two deliberate differences, because Triton
+clients (seed 003's own example sends `"temperature": 0`) expect the usual LLM conventions:
+- temperature >= 0.0, where 0 means greedy (MindIE /infer refuses 0);
+- top_p in (0.0, 1.0], where 1.0 means off (MindIE /infer refuses an explicit 1.0).
+Everything else: top_k (0, 2^31-1], max_tokens / max_new_tokens (0, 2^31-1] default 20 (both
+may be given only if equal), seed (0, 2^64-1], repetition_penalty > 0, typical_p (0, 1] and
+watermark accepted but not applied, batch_size >= 1 and perf_stat accepted (MindIE's knobs; the
+details always report the real batch sizes), priority [1, 5] default 5, timeout (0, 3600] s
+default 600, stop a string of 1..32768 characters or a list of them (32768 characters in all;
+seed 004's rule). Unknown parameters are ignored, as seed 003 allows model-specific ones.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, Field, field_validator
+
+from serve_app.messages import ReplicaChunk, StepInfo
+from serve_app.protocol.errors import APIError
+from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
+from serve_app.protocol.sampling import mindie_finish
+from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
+
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"  # MINDIE.md; stopInfer uses the same rule
+MAX_STOP_CHARS = 32 * 1024
+
+
+class GenerateParameters(BaseModel):
+    """`parameters` of the generate request; null means "not given"."""
+
+    model_config = STRICT
+
+    stream: bool | None = Field(None, description="Accepted; the URL decides (generate_stream).")
+    temperature: Annotated[float | None, Range(0.0)] = Field(
+        None, description=">= 0.0, default 1.0; 0 means greedy."
+    )
+    max_tokens: Annotated[int | None, Range(0, INT32_MAX, low_open=True)] = Field(
+        None, description="(0, 2147483647], default 20; capped at maxIterTimes."
+    )
+    max_new_tokens: Annotated[int | None, Range(0, INT32_MAX, low_open=True)] = Field(
+        None, description="Same as max_tokens (MindIE's name); give one, or both equal."
+    )
+    top_k: Annotated[int | None, Range(0, INT32_MAX, low_open=True)] = Field(
+        None, description="(0, 2147483647]; >= vocabSize means no top-k cut."
+    )
+    top_p: Annotated[float | None, Range(0.0, 1.0, low_open=True)] = Field(
+        None, description="(0.0, 1.0], default 1.0 (off)."
+    )
+    do_sample: bool | None = Field(None, description="false: greedy, whatever the temperature.")
+    seed: Annotated[int | None, Range(0, UINT64_MAX, low_open=True)] = Field(
+        None, description="(0, 18446744073709551615]; the same seed gives the same output."
+    )
+    repetition_penalty: Annotated[float | None, Range(0.0, low_open=True)] = Field(
+        None, description="> 0.0, default 1.0."
+    )
+    typical_p: Annotated[float | None, Range(0.0, 1.0, low_open=True)] = Field(
+        None, description="(0.0, 1.0]; accepted, not applied."
+    )
+    watermark: bool | None = Field(None, description="Accepted, not applied.")
+    details: bool | None = Field(None, description="Add MindIE's details object.")
+    batch_size: Annotated[int | None, Range(1, INT32_MAX)] = Field(
+        None, description="Accepted (MindIE); details report the engine's real batch sizes."
+    )
+    perf_stat: bool | None = Field(None, description="Accepted (MindIE); details carry timings.")
+    priority: Annotated[int | None, Range(1, 5)] = Field(
+        None, description="[1, 5], default 5; 1 is the highest priority."
+    )
+    timeout: Annotated[float | None, Range(0, 3600, low_open=True)] = Field(
+        None, description="(0, 3600] seconds, default 600."
+    )
+    stop: str | list[str] | None = Field(
+        None, description="Stop strings: 1..32768 characters each, 32768 in all."
+    )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: object) -> object:
+        # Checked before pydantic's union validation, whose errors would name the union members
+        # ("parameters.stop.str ...; parameters.stop.list[str] ...") instead of the parameter.
+        if value is None:
+            return value
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise ValueError("must be a string or a list of strings")
+        if any(not s for s in items):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        if sum(len(s) for s in items) > MAX_STOP_CHARS:
+            raise ValueError(f"must have at most {MAX_STOP_CHARS} characters in all")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def output_tokens(self) -> int:
+        """max_tokens or max_new_tokens (20 when neither): both may be given only if equal."""
+        a, b = self.max_tokens, self.max_new_tokens
+        if a is not None and b is not None and a != b:
+            raise APIError(
+                "validation",
+                f"parameters.max_tokens ({a}) and parameters.max_new_tokens ({b}) conflict; "
+                "give one of them",
+                "parameters.max_tokens",
+            )
+        chosen = a if a is not None else b
+        return DEFAULT_MAX_NEW_TOKENS if chosen is None else chosen
+
+
+class GenerateRequest(BaseModel):
+    """Body of generate / generate_stream (seed 003); other top-level keys are ignored."""
+
+    model_config = STRICT
+
+    id: str | None = Field(
+        None,
+        pattern=REQUEST_ID_PATTERN,
+        description="Echoed back; stopInfer {id} stops the request. [A-Za-z0-9_-]{1,256}.",
+    )
+    text_input: str = Field(description="The prompt text.")
+    parameters: GenerateParameters | None = Field(None, description="Generation parameters.")
+
+    @property
+    def params(self) -> GenerateParameters:
+        return self.parameters or GenerateParameters()
+
+
+class Head:
+    """The fields every response and stream event repeats."""
+
+    def __init__(self, request_id: str | None, model: str, version: str) -> None:
+        self.fields: dict = {} if request_id is None else {"id": request_id}
+        self.fields.update(model_name=model, model_version=version)
+
+
+def details(finish_reason: str | None, num_tokens: int, steps: list[StepInfo]) -> dict:
+    """MindIE's details: per-token engine facts (ms for costs, microseconds for queue wait)."""
+    decode = [round(s.decode_time_ms, 2) for s in steps if s.decode_time_ms is not None]
+    first = next((s.prefill_time_ms for s in steps if s.prefill_time_ms is not None), None)
+    return {
+        "finish_reason": mindie_finish(finish_reason),
+        "generated_tokens": num_tokens,
+        "first_token_cost": None if first is None else round(first, 2),
+        "decode_cost": decode,
+        "batch_size": [s.batch_size for s in steps],
+        "queue_wait_time": [round(s.queue_wait_us, 2) for s in steps],
+    }
+
+
+def generate_response(head: Head, chunk: ReplicaChunk, with_details: bool) -> dict:
+    choice = chunk.choices[0] if chunk.choices else None
+    body = {**head.fields, "text_output": choice.text if choice else ""}
+    if with_details:
+        reason = choice.finish_reason if choice else "aborted"
+        body["details"] = details(reason, choice.num_output_tokens if choice else 0, chunk.steps)
+    return body
+
+
+class GenerateStream:
+    """Replica chunks -> generate_stream events: the text delta of each chunk, details last."""
+
+    def __init__(self, head: Head, with_details: bool) -> None:
+        self.head = head
+        self.with_details = with_details
+        self.steps: list[StepInfo] = []
+        self.num_tokens = 0
+
+    def payload(self, chunk: ReplicaChunk) -> dict | None:
+        choice = chunk.choices[0] if chunk.choices else None
+        self.steps.extend(chunk.steps)
+        if choice is not None:
+            self.num_tokens = max(self.num_tokens, choice.num_output_tokens)
+        text = choice.text if choice else ""
+        if not chunk.finished and not text and not (choice and choice.token_ids):
+            return None
+        event = {**self.head.fields, "text_output": text}
+        if chunk.finished and self.with_details:
+            reason = choice.finish_reason if choice else "aborted"
+            event["details"] = details(reason, self.num_tokens, self.steps)
+        return event
