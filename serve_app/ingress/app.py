@@ -39,6 +39,8 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
                 f"{config.ServerConfig.maxRequestLength} MB (ServerConfig.maxRequestLength)",
             )
             return _render(request, error)
+        if request.method == "POST":
+            _read_body_as_json(request)
         return await call_next(request)
 
     @app.exception_handler(APIError)
@@ -56,6 +58,16 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
     for module in (admin_routes, mindie_routes, openai_routes, triton_routes):
         app.include_router(module.router)
     return app
+
+
+def _read_body_as_json(request: Request) -> None:
+    """Every POST body is JSON here. `curl -d` sends form encoding and MindIE clients often
+    send no content type at all; both would otherwise be refused as "not a JSON object"."""
+    headers = request.scope["headers"]
+    kind = request.headers.get("content-type", "")
+    if "json" not in kind.lower():
+        headers[:] = [(k, v) for k, v in headers if k != b"content-type"]
+        headers.append((b"content-type", b"application/json"))
 
 
 def _render(request: Request, error: APIError) -> JSONResponse:

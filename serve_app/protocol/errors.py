@@ -17,6 +17,7 @@ family from the route (`family_for_path`) and renders status and body:
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 Family = Literal["mindie", "openai", "triton"]
@@ -111,13 +112,29 @@ def from_rejection(rejection) -> APIError:
 
 def from_validation_errors(errors: list[dict], prefix_skip: tuple = ("body",)) -> APIError:
     """pydantic / FastAPI validation errors -> one APIError naming the first bad parameter."""
-    lines, param = [], None
+    by_param: dict[str, list[str]] = {}
     for error in errors:
         loc = [str(p) for p in error.get("loc", ()) if p not in prefix_skip]
-        name = _dotted(loc) or "body"
-        param = param or name
-        lines.append(_describe(name, error))
-    return APIError("validation", "; ".join(lines), param)
+        name = _dotted([p for p in loc if not _UNION_TAG.match(p)]) or "body"
+        # the branches of a union (str | list[str]) fail one by one: one line per parameter
+        reason = _describe(name, error).removeprefix(name + " ")
+        if reason not in by_param.setdefault(name, []):
+            by_param[name].append(reason)
+    lines = [f"{name} {_join(reasons)}" for name, reasons in by_param.items()]
+    return APIError("validation", "; ".join(lines), next(iter(by_param), None))
+
+
+def _join(reasons: list[str]) -> str:
+    """'must be a valid string, got 5' + 'must be a valid list, got 5' -> one ', got 5'."""
+    tails = {r.rpartition(", got ")[2] for r in reasons}
+    if len(reasons) > 1 and len(tails) == 1 and all(", got " in r for r in reasons):
+        return " or ".join(r.rpartition(", got ")[0] for r in reasons) + f", got {tails.pop()}"
+    return " or ".join(reasons)
+
+
+# pydantic names union branches in an error's location ("str", "list[str]",
+# "function-after[check(), float]"): they are not request fields.
+_UNION_TAG = re.compile(r"^([a-z-]+\[.*\]|str|int|float|bool|list|dict|none|constrained-str)$")
 
 
 def _dotted(parts: list[str]) -> str:

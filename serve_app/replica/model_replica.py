@@ -34,8 +34,17 @@ class ModelReplica:
         self.model_name = engine_config.model_name
         self.replica_id = uuid.uuid4().hex[:12]
         self.engine: AsyncEngine | None = None  # set last: __del__ may see a failed __init__
+        # print, not log: Ray forwards replica stdout to `serve run`, so users see the progress
+        print(f"model replica {self.replica_id}: loading {engine_config.model!r} ...", flush=True)
+        start = time.monotonic()
         self.engine = AsyncEngine(engine_config)
         self.tokenizer = self.engine.tokenizer
+        runner = self.engine.engine.runner
+        print(
+            f"model replica {self.replica_id}: {self.model_name!r} ready on {runner.device} "
+            f"({runner.dtype}, {runner.num_blocks} KV blocks) in {time.monotonic() - start:.1f} s",
+            flush=True,
+        )
 
     async def generate(self, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]:
         """Chunks as the engine produces them (one final chunk when not streaming).
