@@ -206,7 +206,7 @@ class LLMEngine:
                 sampled[request.request_id] = request
         for request in beams:
             index = torch.tensor([row_of[s.seq_id] for s in request.seqs], device=logits.device)
-            logprobs = torch.log_softmax(logits[index], dim=-1)
+            logprobs = torch.log_softmax(logits[index].float(), dim=-1)
             request.seqs = beam_search.beam_step(request, logprobs, self.kv, self.eos_token_ids)
             for seq in request.seqs:
                 if self._at_length_limit(request, seq):
@@ -217,6 +217,8 @@ class LLMEngine:
         for request in sampled.values():
             metrics = self._metrics(request, batch, start, now)
             request.last_token_time = now
+            if not self._streams(request):  # one final output: it reports every step's timing
+                request.step_history.append(metrics)
             if self._request_done(request):
                 outputs.append(self._finish(request, metrics))
             elif self._streams(request):
@@ -302,4 +304,6 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         output = request.to_output(seqs, metrics, new_only=self._streams(request))
         output.finished = True
+        if not self._streams(request):
+            output.step_history = list(request.step_history)
         return output

@@ -52,3 +52,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: StepMetrics = field(default_factory=StepMetrics)
+    # Requests that report only at the end (beam search, best_of > n): on the final output, the
+    # timing of every step that produced tokens for it, in order; None for streamed requests.
+    step_history: list[StepMetrics] | None = None

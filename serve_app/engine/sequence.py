@@ -95,6 +95,9 @@ class Request:
     last_token_time: float | None = None  # when the latest token was emitted
     beam_hypotheses: list[tuple[float, Sequence]] = field(default_factory=list)
     finish_reason: FinishReason | None = None  # set when the whole request ends early
+    # timing of every step that produced tokens, kept only for requests that report once at the
+    # end (beam search, best_of > n); streaming requests report each step as it happens
+    step_history: list[StepMetrics] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics, TokenLogprob
 from serve_app.engine.params import FinishReason
 from serve_app.messages import (
     ChoiceDelta,
@@ -22,6 +22,10 @@ from serve_app.messages import (
 )
 from serve_app.tokenizer.detokenizer import IncrementalDetokenizer
 from serve_app.tokenizer.stop import StopMatcher
+
+
+def _step_info(m: StepMetrics) -> StepInfo:
+    return StepInfo(m.batch_size, m.queue_wait_us, m.prefill_time_ms, m.decode_time_ms)
 
 
 class _Choice:
@@ -73,12 +77,7 @@ class OutputProcessor:
             delta = self._consume(choice, co, finish_all=output.finished)
             if delta.token_ids or delta.text or delta.finish_reason:
                 deltas.append(delta)
-        steps = []
-        if any(co.new_token_ids for co in output.outputs):
-            m = output.metrics
-            steps.append(
-                StepInfo(m.batch_size, m.queue_wait_us, m.prefill_time_ms, m.decode_time_ms)
-            )
+        steps = [_step_info(m) for m in self._step_metrics(output)]
         done = output.finished or self.all_finished
         if self.req.stream:
             if not deltas and not done:
@@ -95,6 +94,19 @@ class OutputProcessor:
         if done:
             self._finish_chunk(chunk)
         return chunk
+
+    @staticmethod
+    def _step_metrics(output: RequestOutput) -> list[StepMetrics]:
+        """The engine steps this output stands for: one per step that produced its tokens.
+
+        A request the engine reports only at the end (beam search, best_of > n) carries every
+        step's timing in `step_history`; a streamed output stands for its own step.
+        """
+        if output.step_history is not None:
+            return output.step_history
+        if any(co.new_token_ids for co in output.outputs):
+            return [output.metrics]
+        return []
 
     def error_chunk(self, kind: str, message: str) -> ReplicaChunk:
         """The final chunk of a request the engine refused or failed."""

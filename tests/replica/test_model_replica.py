@@ -302,3 +302,28 @@ def test_shutdown_fails_health_check():
     with pytest.raises(RuntimeError, match="not running"):
         other.check_health()
     other.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "params",
+    [
+        greedy(7, n=2, use_beam_search=True, logprobs=2),
+        SamplingParams(n=1, best_of=3, temperature=1.0, seed=5, max_tokens=7, ignore_eos=True),
+    ],
+    ids=["beam", "best_of"],
+)
+def test_engine_non_streaming_requests_report_one_step_per_token(replica, prompt, params, stream):
+    chunks = collect(replica, request(prompt, params, stream=stream))
+    assert chunks[-1].finished
+    steps = [s for ch in chunks for s in ch.steps]
+    longest = max(len(joined(chunks, i, "token_ids")) for i in range(params.n))
+    assert longest == 7 and len(steps) == 7
+    assert steps[0].prefill_time_ms is not None and steps[0].decode_time_ms is None
+    assert all(s.decode_time_ms is not None and s.prefill_time_ms is None for s in steps[1:])
+    if params.logprobs is not None:
+        for i in range(params.n):
+            lps = joined(chunks, i, "logprobs")
+            assert len(lps) == len(joined(chunks, i, "token_ids"))
+            assert all(len(lp.top) == 2 and lp.top[0][2] >= lp.top[1][2] for lp in lps)
+    wait_idle(replica)
