@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.config import AppConfig
 from serve_app.ingress.backend import Backend
@@ -50,6 +51,14 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):  # a bug: still the family's envelope
         return _render(request, APIError("engine", f"internal error: {exc!r}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found", 413: "too_large", 503: "unavailable"}.get(exc.status_code)
+        if kind is None:  # 405 and the like: keep the status, use the family's body
+            body = APIError("validation", str(exc.detail)).body(family_for_path(request.url.path))
+            return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return _render(request, APIError(kind, f"{exc.detail}: {request.url.path}"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

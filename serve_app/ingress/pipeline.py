@@ -120,7 +120,7 @@ class Pipeline:
         upstream = self.backend.generate(model, req)
         self.metrics.received.labels(model).inc()
         first_token_at, num_tokens, num_prompt, finished = None, 0, 0, False
-        outcome, next_chunk = "failed", None
+        outcome, next_chunk, stopped = "failed", None, None
         try:
             while True:
                 next_chunk = asyncio.ensure_future(anext(upstream))
@@ -163,6 +163,8 @@ class Pipeline:
                 if chunk.finished:
                     return
         finally:
+            if stopped is not None:
+                stopped.cancel()
             if next_chunk is not None and not next_chunk.done():
                 next_chunk.cancel()  # the client went away mid-wait: the replica aborts
             if stop_key is not None:

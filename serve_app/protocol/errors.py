@@ -115,6 +115,8 @@ def from_validation_errors(errors: list[dict], prefix_skip: tuple = ("body",)) -
     by_param: dict[str, list[str]] = {}
     for error in errors:
         loc = [str(p) for p in error.get("loc", ()) if p not in prefix_skip]
+        if error.get("type") == "json_invalid":
+            loc = []  # its location is a character offset, not a field
         name = _dotted([p for p in loc if not _UNION_TAG.match(p)]) or "body"
         # the branches of a union (str | list[str]) fail one by one: one line per parameter
         reason = _describe(name, error).removeprefix(name + " ")
@@ -150,9 +152,9 @@ def _describe(name: str, error: dict) -> str:
     if kind == "missing":
         return f"{name} is required"
     if kind == "json_invalid":
-        return f"the request body is not valid JSON: {ctx.get('error', msg)}"
+        return f"body is not valid JSON: {ctx.get('error', msg)}"
     if kind in ("model_type", "model_attributes_type", "dict_type") and name == "body":
-        return "the request body must be a JSON object"
+        return "body must be a JSON object"
     if kind == "value_error":  # our range validators: "must be in (0.0, 2.0]"
         return f"{name} {msg.removeprefix('Value error, ')}, got {_show(got)}"
     for words, sign in (

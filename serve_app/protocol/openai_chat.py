@@ -248,7 +248,10 @@ class ChatStream:
         if self.want_logprobs and body:
             choice["logprobs"] = chat_logprobs(delta.logprobs)
         choice["finish_reason"] = finish
-        return {**self.head, "model": self.model, "choices": [choice]}
+        out = {**self.head, "model": self.model, "choices": [choice]}
+        if self.include_usage:  # OpenAI: with include_usage, every other chunk has usage null
+            out["usage"] = None
+        return out
 
     def events(self, chunk: ReplicaChunk) -> list[dict]:
         out = []

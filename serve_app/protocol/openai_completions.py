@@ -96,13 +96,13 @@ class CompletionRequest(BaseModel):
         beam, n, best_of = bool(self.use_beam_search), self.n, self.best_of
         if beam and self.stop:
             raise common.invalid("stop", "cannot be used with use_beam_search")
+        # Seed 004: n > 1 needs temperature > 0, beam search or not; beam search only lifts
+        # the checks on best_of ("将不会对best_of的取值进行校验").
+        if (n or 1) > 1 and self.temperature == 0:
+            raise common.invalid("temperature", "must be > 0 when n > 1, got 0")
         if not beam:
-            if ((n or 1) > 1 or (best_of or 1) > 1) and self.temperature == 0:
-                param = "n" if (n or 1) > 1 else "best_of"
-                raise common.invalid(
-                    "temperature",
-                    f"must be > 0 when {param} > 1 without use_beam_search, got 0",
-                )
+            if (best_of or 1) > 1 and self.temperature == 0:
+                raise common.invalid("temperature", "must be > 0 when best_of > 1, got 0")
             if self.stream and best_of is not None and n is None:
                 raise common.invalid("best_of", "cannot be set without n when stream is true")
             if self.stream and best_of is not None and best_of != n:

@@ -138,7 +138,12 @@ class OutputProcessor:
         texts: list[str] = []  # raw detokenizer delta per token (token_texts)
         base = len(co.token_ids) - len(co.new_token_ids)  # index of the first new token
         last = len(co.new_token_ids) - 1
-        hide_stop_token = co.finish_reason == FinishReason.STOP_TOKEN and not choice.include_stop
+        # The token that ended the choice (a stop token id, or EOS when special tokens are kept)
+        # is not text the client asked for, unless include_stop_str_in_output (vLLM's rule).
+        hide_stop_token = (
+            co.finish_reason in (FinishReason.STOP_TOKEN, FinishReason.EOS)
+            and not choice.include_stop
+        )
         for j, token_id in enumerate(co.new_token_ids):
             raw = "" if j == last and hide_stop_token else choice.detokenizer.push_one(token_id)
             delta.token_ids.append(token_id)

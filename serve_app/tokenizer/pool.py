@@ -117,12 +117,25 @@ class _Refused(Exception):
         self.rejection = Rejection(param, message, kind)  # type: ignore[arg-type]
 
 
+def _encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    # JSON can carry a lone UTF-16 surrogate ("\\ud83d"), which is no text the tokenizer can
+    # encode: that is bad input (a 4xx naming the field), not a server error.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _Refused(
+            param,
+            f"{param} is not valid Unicode text (character {exc.start} is a lone surrogate)",
+        ) from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
     tokenizer, limits = served.tokenizer, served.limits
     if req.kind in ("completion", "text"):
         if not isinstance(req.text, str):
             raise _Refused(req.param, f"{req.param} must be a string")
-        ids = tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
+        ids = _encode(tokenizer, req.text, req.param, req.add_special_tokens)
         kept = limits.check_completion_prompt(ids, req.param)
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids))
     if req.kind == "chat":
@@ -135,7 +148,7 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
         except Exception as exc:  # jinja errors, raise_exception() in templates, no template
             message = f"{param} could not be rendered by the chat template: {exc}"
             raise _Refused(param, message) from exc
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = _encode(tokenizer, text, param, False)
         kept = limits.check_chat_prompt(ids, param)
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
     if req.kind == "token_ids":

@@ -84,7 +84,7 @@ def test_bad_parameter(client, route, name, value, words):
         ("/infer_token", {"input_id": [2**20 + 1]}, ["input_id[0] must be a token id"]),
         ("/infer_token", {"input_id": [1, "2"]}, ["input_id[1]"]),
         ("/infer_token", {"input_id": [1], "stream": "true"}, ["stream"]),
-        ("/infer_token", [1, 2], ["the request body must be a JSON object"]),
+        ("/infer_token", [1, 2], ["body must be a JSON object"]),
     ],
 )
 def test_bad_body(client, route, body, words):

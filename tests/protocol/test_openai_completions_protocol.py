@@ -35,6 +35,7 @@ CROSS_RULES = [
     ({"use_beam_search": True, "stop": ["x"], "stream": True}, "stop"),
     ({"n": 2, "temperature": 0}, "temperature"),
     ({"best_of": 2, "temperature": 0.0}, "temperature"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0}, "temperature"),  # n's rule stays
     ({"n": 3, "best_of": 2}, "best_of"),
     ({"stream": True, "best_of": 2}, "best_of"),
     ({"stream": True, "best_of": 1}, "best_of"),
@@ -47,7 +48,8 @@ ALLOWED = [
     {"n": 2, "temperature": 0.5},
     {"stream": True, "n": 2, "best_of": 2},
     {"stream": True, "n": 2},
-    {"use_beam_search": True, "n": 2, "best_of": 1, "temperature": 0},
+    {"use_beam_search": True, "n": 2, "best_of": 1, "temperature": 0.7},
+    {"use_beam_search": True, "best_of": 3, "temperature": 0},  # best_of is not checked
     {"use_beam_search": True, "stream": True, "best_of": 5},
     {"use_beam_search": True, "stop": []},  # an empty list is null
 ]
