@@ -167,3 +167,12 @@ def test_metrics(http):
     ):  # fmt: skip
         lines = [line for line in text.splitlines() if line.startswith(name + "{")]
         assert any('model_name="demo"' in line for line in lines), name
+
+
+def test_non_stream_client_that_gives_up_leaves_nothing_behind(server, kv_idle_http):
+    body = {"model": "demo", "prompt": "a long answer please", "max_tokens": 64,
+            "n": 4, "temperature": 1.0}  # fmt: skip
+    with httpx.Client(base_url=server, timeout=0.2) as c:
+        with pytest.raises(httpx.TimeoutException):
+            c.post("/v1/completions", json=body)
+    assert kv_idle_http(10)
