@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+CONFIG ?= deployments.yaml
+
 serve: $(STAMP)
-	$(BIN)/python -m serve_app
+	$(BIN)/python -m serve_app $(CONFIG)
 
 test: $(STAMP)
 	$(BIN)/ruff check serve_app tests bench

@@ -85,6 +85,21 @@ class ServerConfig(BaseModel):
         description=("Longest gap between two tokens of one request, in seconds."),
     )
     e2eTimeout: int = Field(600, ge=1, le=65535, description="Longest life of a request, seconds.")
+    kvConnector: Literal["object_store"] = Field(
+        "object_store",
+        description=(
+            "(extension) inferMode dmi: how KV moves from prefill to decode. object_store: "
+            "staged on the host and moved through the Ray object store (works across nodes)."
+        ),
+    )
+    kvLossPolicy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description=(
+            "(extension) inferMode dmi: when a prefill's KV is lost before decode imports it "
+            "(prefill replica died, object lost): recompute the prompt on the decode replica, or "
+            "fail the request."
+        ),
+    )
     maxRequestLength: int = Field(40, ge=1, le=100, description="Largest request body, in MB.")
 
     @field_validator("ipAddress")
@@ -392,6 +407,20 @@ class Deployments(BaseModel):
             "accelerator from ModelConfig.device and worldSize (NPU resource, num_gpus or CPU)."
         ),
     )
+    Prefill: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "inferMode dmi: the prefill replicas (one deployment per served model); defaults as "
+            "for ModelReplica."
+        ),
+    )
+    Decode: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "inferMode dmi: the decode replicas (one deployment per served model); defaults as "
+            "for ModelReplica."
+        ),
+    )
 
 
 _Deployments = Deployments
@@ -459,7 +488,11 @@ _SECTIONS = {
     )
 }
 # Deployment sections are named after the deployment, not their class.
-_SECTIONS.update(dict.fromkeys(("Ingress", "TokenizerPool", "ModelReplica"), DeploymentOptions))
+_SECTIONS.update(
+    dict.fromkeys(
+        ("Ingress", "TokenizerPool", "ModelReplica", "Prefill", "Decode"), DeploymentOptions
+    )
+)
 
 
 def load_config(source: dict | str | Path | None = None) -> AppConfig:

@@ -11,7 +11,7 @@ each API family renders them in its own envelope.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from serve_app.engine.params import SamplingParams
 
@@ -119,3 +119,49 @@ class ReplicaChunk:
     error_kind: Literal["rejected", "engine", "timeout"] | None = None
     stats: dict | None = None  # the replica's engine stats, on the final chunk
     replica_id: str = ""
+    # PD: the prefill's chunk carries kv_bytes; a decode replica's first chunk carries the
+    # hand-off (KV fetch + import into its pool) and whether the KV was lost and recomputed.
+    handoff_ms: float | None = None
+    kv_bytes: int = 0
+    kv_recomputed: bool = False
+
+
+# -- prefill/decode disaggregation ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class KVTransfer:
+    """A handle to one prompt's KV cache, staged by the prefill replica for a decode replica.
+
+    `ref` is whatever the connector needs to fetch it: a Ray ObjectRef (object-store connector,
+    works across nodes), or the payload itself (in-process connector, tests). The prefill
+    replica has already freed its own blocks when this exists.
+    """
+
+    connector: str  # "object_store" | "local" | a device-direct connector's name
+    ref: Any
+    num_tokens: int
+    nbytes: int
+    staged_ms: float = 0.0  # device -> host copy and hand-over time on the prefill side
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill replica returns: the first token (as a final-looking chunk) and the KV."""
+
+    chunk: ReplicaChunk  # one choice with exactly the first token; error/error_kind if it failed
+    transfer: KVTransfer | None = None  # None when the request failed or ended at its first token
+    generator_state: Any = None  # the seeded sampler's state after the first token (a tensor)
+    first_text_held: bool = False  # the first token ends mid-character: its text is not out yet
+
+
+@dataclass(slots=True)
+class DecodeRequest:
+    """What a decode replica is asked: continue `request` after the prefill's first token."""
+
+    request: ReplicaRequest  # the same request id, params, priority and timeout as the prefill
+    first_token_id: int
+    transfer: KVTransfer | None  # None: recompute the prompt locally
+    generator_state: Any = None
+    first_text_held: bool = False
+    output_limit: int = 0  # total output tokens including the first (PD token-count rule)

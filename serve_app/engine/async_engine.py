@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
 from serve_app.engine.params import SamplingParams
@@ -26,6 +27,8 @@ class GenerateRequest:
     params: SamplingParams
     priority: int = 5
     deadline: float | None = None  # time.monotonic() deadline of this request
+    export_kv: bool = False  # PD prefill: one token, then the prompt's KV on the final output
+    imported: ImportedPrefill | None = None  # PD decode: continue another engine's prefill
 
 
 class EngineError(RuntimeError):
@@ -98,19 +101,37 @@ class AsyncEngine:
                 return
             if kind == "add":
                 try:
-                    self.engine.add_request(
-                        payload.request_id,
-                        payload.prompt_token_ids,
-                        payload.params,
-                        payload.priority,
-                        payload.deadline,
-                    )
+                    self._add(payload)
                 except ValueError as exc:
                     self._deliver(payload.request_id, RequestRejected(str(exc)))
             else:
                 output = self.engine.abort(payload)
                 if output is not None:
                     self._deliver(payload, output)
+
+    def _add(self, request: GenerateRequest) -> None:
+        imported = request.imported
+        if imported is None:
+            self.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                request.priority,
+                request.deadline,
+                export_kv=request.export_kv,
+            )
+            return
+        self.engine.add_imported_request(
+            request.request_id,
+            request.prompt_token_ids,
+            imported.first_token_id,
+            request.params,
+            imported.kv,
+            imported.generator_state,
+            imported.output_limit,
+            request.priority,
+            request.deadline,
+        )
 
     def _run(self) -> None:
         while not self._stopped:

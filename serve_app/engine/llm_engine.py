@@ -1,7 +1,9 @@
 """The engine loop: step() = expire deadlines -> schedule -> run the model -> sample -> report.
 
 Synchronous and single-threaded; `LLM` drives it for offline batches and `AsyncEngine` runs it
-on a thread of its own for serving.
+on a thread of its own for serving. For prefill/decode disaggregation one engine runs a prompt
+to its first token and exports the prompt's KV (`add_request(export_kv=True)`), and another
+imports it and continues (`add_imported_request`); see `kv_transfer`.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ import time
 
 import torch
 
-from serve_app.engine import beam_search
+from serve_app.engine import beam_search, kv_transfer
 from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.kv_cache import KVCacheManager
+from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import RequestOutput, StepMetrics, TokenLogprob
 from serve_app.engine.params import FinishReason, SamplingParams
@@ -37,6 +40,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, self.runner.device)
         self.requests: dict[str, Request] = {}
+        # PD decode: imported requests waiting for blocks to write their KV into, in order
+        self._awaiting_room: dict[str, tuple[Request, KVPayload]] = {}
+        self._ended_on_import: list[Request] = []  # the first token already ended them
+        self.num_kv_imports = 0
+        self.num_kv_exports = 0
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -64,9 +72,105 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 5,
         deadline: float | None = None,
+        export_kv: bool = False,
     ) -> None:
-        """Queue a request. Raises ValueError for input the engine can never serve."""
+        """Queue a request. Raises ValueError for input the engine can never serve.
+
+        export_kv (a PD prefill): the request produces exactly one token, and its final output
+        carries the prompt's KV and the seeded generator's state for a decode engine.
+        """
         params = params or SamplingParams()
+        prompt = self._check_request(request_id, prompt_token_ids, params, priority, export_kv)
+        limit = min(self.config.max_iter_times, params.max_tokens or self.config.max_iter_times)
+        if export_kv:
+            limit = 1
+        self._check_fits(len(prompt), limit, params.num_seqs)
+        seq = Sequence(prompt, len(prompt), generator=self._generator(params.seed, 0))
+        request = Request(request_id, prompt, params, limit, priority=priority, deadline=deadline)
+        request.export_kv = export_kv
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams | None,
+        kv: KVPayload | None,
+        generator_state: torch.Tensor | None = None,
+        output_limit: int = 0,
+        priority: int = 5,
+        deadline: float | None = None,
+    ) -> None:
+        """Continue a request another engine prefilled (PD decode). Raises ValueError like
+        add_request.
+
+        The sequence starts as prompt + [first token] with the prompt's KV written into this
+        pool, so the catch-up rule runs the first token next and samples the second; the first
+        token is never reported again. output_limit counts every output token, the first
+        included, and is not clamped by maxIterTimes (the PD rule can make it maxIterTimes + 1);
+        0 means the colocated limit. kv None: the prompt is recomputed here. When the pool has
+        no room for the KV right now, the request waits for room; like any request, it is
+        recomputed only if pool pressure later takes its blocks (preemption).
+        """
+        params = params or SamplingParams()
+        prompt = self._check_request(request_id, prompt_token_ids, params, priority, True)
+        if not 0 <= first_token_id < self.vocab_size:
+            raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+        if kv is not None:
+            kv_transfer.check_layout(self.runner.kv_caches, kv, len(prompt))
+        if output_limit <= 0:
+            output_limit = min(
+                self.config.max_iter_times, params.max_tokens or self.config.max_iter_times
+            )
+        self._check_fits(len(prompt), output_limit, 1)
+        generator = None
+        if generator_state is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.set_state(generator_state)
+        elif params.seed is not None:  # no state handed over: seeded, but not as colocated
+            generator = self._generator(params.seed, 0)
+        seq = Sequence(prompt + [first_token_id], len(prompt), generator=generator, num_emitted=1)
+        request = Request(
+            request_id, prompt, params, output_limit, priority=priority, deadline=deadline
+        )
+        # Timing of later tokens counts from the hand-off, not from an arrival here.
+        request.last_token_time = request.arrival_time
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self._check_stop(request, seq, first_token_id)
+        if seq.finish_reason is not None:  # the first token already ends it: report, no work
+            self._ended_on_import.append(request)
+        elif kv is None:
+            self.scheduler.add(request)
+        else:
+            self._awaiting_room[request_id] = (request, kv)  # written at the next step
+
+    def _import_waiting(self) -> None:
+        """Write imported KV into the pool, oldest first, while there is room."""
+        for request_id, (request, kv) in list(self._awaiting_room.items()):
+            seq = request.seqs[0]
+            if not self.kv.allocate(seq, kv.num_tokens):
+                return
+            start = time.monotonic()
+            self.runner.write_kv(seq.block_table, kv)
+            seq.num_computed_tokens = kv.num_tokens
+            self.kv.commit(seq)
+            request.kv_import_ms = (time.monotonic() - start) * 1e3
+            self.num_kv_imports += 1
+            del self._awaiting_room[request_id]
+            self.scheduler.add(request)
+
+    def _check_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        single: bool,
+    ) -> list[int]:
         prompt = list(prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -82,13 +186,9 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; at most {self.max_model_len - 1} fit"
                 f" (maxSeqLen {self.config.max_seq_len})"
             )
-        limit = min(self.config.max_iter_times, params.max_tokens or self.config.max_iter_times)
-        self._check_fits(len(prompt), limit, params.num_seqs)
-        seq = Sequence(prompt, len(prompt), generator=self._generator(params.seed, 0))
-        request = Request(request_id, prompt, params, limit, priority=priority, deadline=deadline)
-        request.seqs.append(seq)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
+        if single and (params.num_seqs != 1 or params.use_beam_search):
+            raise ValueError("prefill/decode hand-off supports one sequence (n = best_of = 1)")
+        return prompt
 
     def _check_fits(self, prompt_len: int, limit: int, num_seqs: int) -> None:
         total = min(prompt_len + limit, self.max_model_len)
@@ -113,13 +213,15 @@ class LLMEngine:
         pool = self.kv.pool
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self._awaiting_room),
             "kv_usage": pool.usage,
             "num_free_blocks": pool.num_free_blocks,
             "num_blocks": pool.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hits": pool.num_cache_hits,
             "prefix_cache_queries": pool.num_cache_queries,
+            "num_kv_exports": self.num_kv_exports,
+            "num_kv_imports": self.num_kv_imports,
         }
 
     # -- the step -------------------------------------------------------------------------------
@@ -139,6 +241,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         outputs = self._expire(start)
+        while self._ended_on_import:
+            outputs.append(self._finish(self._ended_on_import.pop(0), StepMetrics()))
+        if self._awaiting_room:
+            self._import_waiting()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
@@ -238,8 +344,11 @@ class LLMEngine:
                 request.seqs.append(child)
 
     def _append(self, request: Request, seq: Sequence, token: int) -> None:
-        params = request.params
         seq.token_ids.append(token)
+        self._check_stop(request, seq, token)
+
+    def _check_stop(self, request: Request, seq: Sequence, token: int) -> None:
+        params = request.params
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = FinishReason.EOS
         elif token in params.stop_token_ids:
@@ -259,10 +368,23 @@ class LLMEngine:
             live = [s for s in request.seqs if s.finish_reason is None]
             return len(live) < len(request.seqs) or beam_search.is_done(request, live)
         for seq in [s for s in request.seqs if s.finish_reason is not None]:
+            if request.export_kv:
+                self._export(request, seq)
             self.kv.free(seq)
             request.seqs.remove(seq)
             request.finished_seqs.append(seq)
         return not request.seqs
+
+    def _export(self, request: Request, seq: Sequence) -> None:
+        """Read the prompt's KV before its blocks go back (the first token has no KV yet)."""
+        if seq.generator is not None:
+            request.generator_state = seq.generator.get_state()
+        if seq.finish_reason in (FinishReason.EOS, FinishReason.STOP_TOKEN):
+            return  # the request ends here: nobody will continue it
+        start = time.monotonic()
+        request.kv_payload = self.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+        request.kv_payload.read_ms = (time.monotonic() - start) * 1e3
+        self.num_kv_exports += 1
 
     @staticmethod
     def _streams(request: Request) -> bool:
@@ -300,10 +422,14 @@ class LLMEngine:
         for seq in seqs:
             seq.finish_reason = seq.finish_reason or request.finish_reason
         self.scheduler.remove(request)
+        self._awaiting_room.pop(request.request_id, None)
+        if request in self._ended_on_import:  # aborted before its report
+            self._ended_on_import.remove(request)
         request.status = RequestStatus.FINISHED
         self.requests.pop(request.request_id, None)
         output = request.to_output(seqs, metrics, new_only=self._streams(request))
         output.finished = True
+        output.kv_payload, output.generator_state = request.kv_payload, request.generator_state
         if not self._streams(request):
             output.step_history = list(request.step_history)
         return output

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.engine import attention
+from serve_app.engine import attention, kv_transfer
 from serve_app.engine.attention_metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
+from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.sequence import Sequence
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
 
@@ -97,6 +98,14 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+    def read_kv(self, block_table: list[int], num_tokens: int) -> KVPayload:
+        """A sequence's first num_tokens positions of K/V, gathered to the host (PD export)."""
+        return kv_transfer.gather(self.kv_caches, block_table, num_tokens, self.block_size)
+
+    def write_kv(self, block_table: list[int], payload: KVPayload) -> None:
+        """Scatter a payload into blocks this runner's pool handed out (PD import)."""
+        kv_transfer.scatter(self.kv_caches, block_table, payload, self.block_size)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

@@ -7,6 +7,7 @@ response (token deltas, logprobs, finish reasons, and the timing facts MindIE re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve_app.engine.params import FinishReason
 
@@ -55,3 +56,10 @@ class RequestOutput:
     # Requests that report only at the end (beam search, best_of > n): on the final output, the
     # timing of every step that produced tokens for it, in order; None for streamed requests.
     step_history: list[StepMetrics] | None = None
+    # Prefill/decode disaggregation. On an export_kv request's final output: the prompt's KV
+    # (None when the first token ended it with EOS or a stop token: nothing to continue) and the
+    # seeded generator's state after the first token (None when unseeded).
+    kv_payload: Any = None  # a kv_transfer.KVPayload
+    generator_state: Any = None  # a torch.Generator state (CPU uint8 tensor)
+    # On an imported request's first output: the time spent writing the KV into the pool.
+    kv_import_ms: float | None = None

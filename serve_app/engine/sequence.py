@@ -98,6 +98,11 @@ class Request:
     # timing of every step that produced tokens, kept only for requests that report once at the
     # end (beam search, best_of > n); streaming requests report each step as it happens
     step_history: list[StepMetrics] = field(default_factory=list)
+    # prefill/decode disaggregation (see LLMEngine.add_request / add_imported_request)
+    export_kv: bool = False  # a prefill: export the prompt's KV when the first token is out
+    kv_payload: object | None = None  # the exported KV, read before the blocks are freed
+    generator_state: torch.Tensor | None = None
+    kv_import_ms: float | None = None  # reported once, on the first output after an import
 
     @property
     def is_finished(self) -> bool:
@@ -128,4 +133,6 @@ class Request:
                     stop_reason=seq.stop_reason,
                 )
             )
-        return RequestOutput(self.request_id, self.prompt_token_ids, completions, metrics=metrics)
+        output = RequestOutput(self.request_id, self.prompt_token_ids, completions, metrics=metrics)
+        output.kv_import_ms, self.kv_import_ms = self.kv_import_ms, None
+        return output

@@ -82,8 +82,8 @@ async def model_metadata(model: str, p: Pipeline = Depends(pipeline_of)) -> dict
 async def metrics(p: Pipeline = Depends(pipeline_of)) -> Response:
     for model in p.model_names:  # fresh engine gauges; a busy or loading replica is skipped
         with contextlib.suppress(Exception):
-            stats = await asyncio.wait_for(p.backend.stats(model), _STATS_TIMEOUT_S)
-            p.metrics.update_stats(model, stats)
+            for stats in await asyncio.wait_for(p.backend.stats(model), _STATS_TIMEOUT_S):
+                p.metrics.update_stats(model, stats)
     return Response(p.metrics.render(), media_type=CONTENT_TYPE)
 
 

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from serve_app.messages import (
+    DecodeRequest,
+    PrefillResult,
     Rejection,
     ReplicaChunk,
     ReplicaRequest,
@@ -25,7 +27,14 @@ class Backend(Protocol):
 
     def generate(self, model: str, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]: ...
 
-    async def stats(self, model: str) -> dict: ...
+    # inferMode dmi: the prompt on a prefill replica, the rest on a decode replica
+    async def prefill(self, model: str, req: ReplicaRequest) -> PrefillResult: ...
+
+    def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]: ...
+
+    async def stats(self, model: str) -> list[dict]:
+        """Engine stats of the model's replicas that one call reaches (one per role)."""
+        ...
 
     async def ready(self) -> bool: ...
 
@@ -33,9 +42,17 @@ class Backend(Protocol):
 class LocalBackend:
     """Plain TokenizerPool and ModelReplica objects in this process (tests, offline use)."""
 
-    def __init__(self, tokenizer_pool: Any, replicas: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        tokenizer_pool: Any,
+        replicas: dict[str, Any],
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+    ) -> None:
         self.tokenizer_pool = tokenizer_pool
         self.replicas = replicas
+        self.prefill_replicas = prefill or {}
+        self.decode_replicas = decode or {}
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
         return await self.tokenizer_pool.tokenize(req)
@@ -43,8 +60,14 @@ class LocalBackend:
     def generate(self, model: str, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]:
         return self.replicas[model].generate(req)
 
-    async def stats(self, model: str) -> dict:
-        return await self.replicas[model].stats()
+    async def prefill(self, model: str, req: ReplicaRequest) -> PrefillResult:
+        return await self.prefill_replicas[model].prefill(req)
+
+    def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]:
+        return self.decode_replicas[model].decode(req)
+
+    async def stats(self, model: str) -> list[dict]:
+        return [await replica.stats() for replica in _replicas_of(self, model)]
 
     async def ready(self) -> bool:
         return True
@@ -53,28 +76,36 @@ class LocalBackend:
 class RayBackend:
     """Ray Serve handles: one tokenizer pool, one model replica deployment per model name."""
 
-    def __init__(self, tokenizer_pool: Any, replicas: dict[str, Any], app_name: str = "") -> None:
+    def __init__(
+        self,
+        tokenizer_pool: Any,
+        replicas: dict[str, Any],
+        app_name: str = "",
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+    ) -> None:
         self.tokenizer_pool = tokenizer_pool
         self.replicas = replicas
+        self.prefill_replicas = prefill or {}
+        self.decode_replicas = decode or {}
         self.app_name = app_name
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
         return await self.tokenizer_pool.tokenize.remote(req)
 
-    async def generate(self, model: str, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]:
-        stream = self.replicas[model].options(stream=True).generate.remote(req)
-        done = False
-        try:
-            async for chunk in stream:
-                done = chunk.finished
-                yield chunk
-        finally:
-            if not done:  # left early (client gone, stopInfer, timeout): abort in the replica
-                stream.cancel()
+    def generate(self, model: str, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]:
+        return _stream(self.replicas[model].options(stream=True).generate.remote(req))
 
-    async def stats(self, model: str) -> dict:
-        return await self.replicas[model].stats.remote()
+    async def prefill(self, model: str, req: ReplicaRequest) -> PrefillResult:
+        # awaiting a DeploymentResponse: a cancelled caller cancels the replica's coroutine
+        return await self.prefill_replicas[model].prefill.remote(req)
+
+    def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]:
+        return _stream(self.decode_replicas[model].options(stream=True).decode.remote(req))
+
+    async def stats(self, model: str) -> list[dict]:
+        return [await replica.stats.remote() for replica in _replicas_of(self, model)]
 
     async def ready(self) -> bool:
         """True once every model replica deployment is HEALTHY (all replicas loaded)."""
@@ -92,3 +123,24 @@ class RayBackend:
             if deployment is None or str(deployment.status).split(".")[-1] != "HEALTHY":
                 return False
         return True
+
+
+def _replicas_of(backend, model: str) -> list:
+    found = [
+        group[model]
+        for group in (backend.replicas, backend.prefill_replicas, backend.decode_replicas)
+        if model in group
+    ]
+    return found
+
+
+async def _stream(stream) -> AsyncIterator[ReplicaChunk]:
+    """A Serve streaming response; leaving early cancels the request in the replica."""
+    done = False
+    try:
+        async for chunk in stream:
+            done = chunk.finished
+            yield chunk
+    finally:
+        if not done:  # left early (client gone, stopInfer, timeout): abort in the replica
+            stream.cancel()

@@ -17,14 +17,21 @@ class Ingress:
     def __init__(
         self,
         tokenizer_pool: Any,
-        replicas: dict[str, Any],
+        replicas: dict[str, dict[str, Any]],
         config: dict,
         replica_deployments: list[str],
     ) -> None:
+        """replicas: role ("both", or "prefill" and "decode") -> model name -> handle."""
         from ray import serve
 
         self.config = load_config(config)
-        self.backend = RayBackend(tokenizer_pool, replicas, serve.get_replica_context().app_name)
+        self.backend = RayBackend(
+            tokenizer_pool,
+            replicas.get("both", {}),
+            serve.get_replica_context().app_name,
+            prefill=replicas.get("prefill"),
+            decode=replicas.get("decode"),
+        )
         self.backend.replica_deployments = list(replica_deployments)
 
     def __serve_build_asgi_app__(self):

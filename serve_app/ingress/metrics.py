@@ -55,8 +55,50 @@ class Metrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", token_buckets
         )
+        # inferMode dmi: where the time to first token goes, and what the KV hand-off costs
+        self.pd_ttft_stage = Histogram(
+            "pd_ttft_stage_seconds",
+            "PD time to first token by stage: queue, prefill, handoff, first_decode_step.",
+            ["model_name", "stage"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.kv_transfers = counter("kv_transfers", "PD KV hand-offs imported by decode.")
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "PD KV bytes handed off.")
+        self.kv_recomputed = counter(
+            "kv_recomputed", "PD hand-offs whose KV was lost and recomputed on decode."
+        )
+        self.kv_handoff = histogram(
+            "kv_handoff_seconds",
+            "PD KV hand-off time: fetch on the decode replica and import into its pool.",
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
         self._replica_stats: dict[str, dict[str, tuple[float, dict]]] = {}
         self.registry.register(_EngineCollector(self))
+
+    def observe_prefill(self, model: str, chunk) -> None:
+        """The prefill replica's chunk: queue wait, then the prefill itself."""
+        if chunk.steps:
+            step = chunk.steps[0]
+            queue_s = step.queue_wait_us / 1e6
+            self.pd_ttft_stage.labels(model, "queue").observe(queue_s)
+            if step.prefill_time_ms is not None:
+                prefill_s = max(0.0, step.prefill_time_ms / 1e3 - queue_s)
+                self.pd_ttft_stage.labels(model, "prefill").observe(prefill_s)
+
+    def observe_first_decode(self, model: str, chunk) -> None:
+        """The decode replica's first chunk: the hand-off and its first step."""
+        handoff_ms = getattr(chunk, "handoff_ms", None)
+        if handoff_ms is not None:
+            self.pd_ttft_stage.labels(model, "handoff").observe(handoff_ms / 1e3)
+            self.kv_handoff.labels(model).observe(handoff_ms / 1e3)
+            self.kv_transfers.labels(model).inc()
+            self.kv_transfer_bytes.labels(model).inc(getattr(chunk, "kv_bytes", 0) or 0)
+        if getattr(chunk, "kv_recomputed", False):
+            self.kv_recomputed.labels(model).inc()
+        if chunk.steps and chunk.steps[0].decode_time_ms is not None:
+            step_s = chunk.steps[0].decode_time_ms / 1e3
+            self.pd_ttft_stage.labels(model, "first_decode_step").observe(step_s)
 
     def update_stats(self, model: str, stats: dict | None) -> None:
         if stats:

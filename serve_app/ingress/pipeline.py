@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from serve_app.config import AppConfig
+from serve_app.disagg.flow import pd_generate
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.metrics import Metrics
 from serve_app.messages import (
@@ -117,10 +118,13 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + req.timeout_s + _BACKSTOP_S if req.timeout_s else None
-        upstream = self.backend.generate(model, req)
+        if self.pd_mode:
+            upstream = pd_generate(self.backend, model, req, self.limits)
+        else:
+            upstream = self.backend.generate(model, req)
         self.metrics.received.labels(model).inc()
         first_token_at, num_tokens, num_prompt, finished = None, 0, 0, False
-        outcome, next_chunk, stopped = "failed", None, None
+        outcome, next_chunk, stopped, num_chunks = "failed", None, None, 0
         try:
             while True:
                 next_chunk = asyncio.ensure_future(anext(upstream))
@@ -151,6 +155,10 @@ class Pipeline:
                 if chunk.error is not None:
                     self.metrics.update_stats(model, chunk.stats)
                     raise APIError(_ERROR_KIND.get(chunk.error_kind or "", "engine"), chunk.error)
+                if self.pd_mode and num_chunks < 2:
+                    observe = (self.metrics.observe_prefill, self.metrics.observe_first_decode)
+                    observe[num_chunks](model, chunk)
+                num_chunks += 1
                 new = sum(len(c.token_ids) for c in chunk.choices)
                 if new and first_token_at is None:
                     first_token_at = loop.time()

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from serve_app.disagg.rules import refuse_unsupported
 from serve_app.ingress import sse
 from serve_app.ingress.app import pipeline_of
 from serve_app.ingress.pipeline import Pipeline
@@ -69,6 +70,7 @@ async def _generate(
         )
     params = body.params
     max_tokens = p.limits.output_limit(params.output_tokens(), "parameters.max_tokens")
+    refuse_unsupported(p.pd_mode, {"stop": bool(params.stop_list)})
     prompt = await p.tokenize(
         TokenizeRequest(model=model, kind="text", text=body.text_input, param="text_input")
     )

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, PlainValidator, WithJsonSchema
 
+from serve_app.disagg.rules import refuse_unsupported
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
 
@@ -88,13 +89,7 @@ def text_parts(content: Any) -> str:
 
 def refuse_in_pd(pd_mode: bool, given: dict[str, bool]) -> None:
     """inferMode dmi (PD separation) cannot run these (MINDIE.md): refuse before any work."""
-    if not pd_mode:
-        return
-    for param, is_given in given.items():
-        if is_given:
-            raise APIError(
-                "unsupported", f"{param} is not supported in PD (inferMode dmi) mode", param
-            )
+    refuse_unsupported(pd_mode, given)
 
 
 def invalid(param: str, message: str) -> APIError:

@@ -4,6 +4,10 @@ A plain class: the app builder turns it into a Ray Serve deployment, and Ray Ser
 `generate` with `handle.options(stream=True).generate.remote(req)`. Errors (a refused request, a
 failed step, a timeout) end the stream with a final chunk that carries them; `generate` never
 raises for them, so every API family can render them in its own envelope.
+
+In PD mode (inferMode dmi) a replica has a role: "prefill" replicas answer `prefill` (the first
+token and a handle to the prompt's KV, staged through a `serve_app.disagg` connector), "decode"
+replicas answer `decode` (fetch and import that KV, then stream like `generate`).
 """
 
 from __future__ import annotations
@@ -13,29 +17,87 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from serve_app.config import AppConfig, accelerator_env, load_config
+from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.engine.async_engine import (
     AsyncEngine,
     EngineError,
     GenerateRequest,
     RequestRejected,
 )
-from serve_app.messages import ReplicaChunk, ReplicaRequest
+from serve_app.engine.kv_transfer import ImportedPrefill
+from serve_app.messages import (
+    DecodeRequest,
+    PrefillResult,
+    ReplicaChunk,
+    ReplicaRequest,
+)
 from serve_app.replica.output_processor import OutputProcessor
+from serve_app.tokenizer.limits import TokenLimits
 
 logger = logging.getLogger(__name__)
 
+ROLES = ("both", "prefill", "decode")
+KV_LOSS_POLICIES = ("recompute", "fail")
+
+
+@dataclass(slots=True)
+class _Handoff:
+    """A decode request's hand-off facts, reported once, on its first chunk."""
+
+    fetch_ms: float
+    kv_bytes: int
+    recomputed: bool
+    import_ms: float = 0.0
+    reported: bool = False
+
+    def stamp(self, chunk: ReplicaChunk) -> None:
+        if not self.reported:
+            chunk.handoff_ms = self.fetch_ms + self.import_ms
+            chunk.kv_bytes, chunk.kv_recomputed = self.kv_bytes, self.recomputed
+            self.reported = True
+
 
 class ModelReplica:
-    def __init__(self, config: AppConfig | dict | None = None, model_index: int = 0) -> None:
+    """role: "both" (colocated: `generate`), "prefill" (`prefill`: the first token and the
+    prompt's KV) or "decode" (`decode`: continue after a prefill). Every role keeps `generate`.
+    connector: how prefill stages the KV for decode (`serve_app.disagg.connector`).
+    kv_loss_policy: what decode does when the KV cannot be fetched ("recompute" the prompt
+    locally, or "fail" the request). Both default to ServerConfig's kvConnector / kvLossPolicy.
+    """
+
+    def __init__(
+        self,
+        config: AppConfig | dict | None = None,
+        model_index: int = 0,
+        role: str = "both",
+        connector: str | None = None,
+        kv_loss_policy: str | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         app_config = config if isinstance(config, AppConfig) else load_config(config)
+        server = app_config.ServerConfig  # kvConnector / kvLossPolicy unless given here
+        connector = connector or getattr(server, "kvConnector", "object_store")
+        kv_loss_policy = kv_loss_policy or getattr(server, "kvLossPolicy", "recompute")
+        if kv_loss_policy not in KV_LOSS_POLICIES:
+            raise ValueError(f"kv_loss_policy must be one of {KV_LOSS_POLICIES}")
+        self.role = role
+        self.connector: KVConnector = connector_for(connector)
+        self.kv_loss_policy = kv_loss_policy
+        self.num_kv_lost = 0  # decode: hand-offs whose KV could not be fetched
         engine_config = app_config.engine_config(model_index)
+        self.limits = TokenLimits.from_engine_config(engine_config, None, None)
         self.model_name = engine_config.model_name
         self.replica_id = uuid.uuid4().hex[:12]
         self.engine: AsyncEngine | None = None  # set last: __del__ may see a failed __init__
         # print, not log: Ray forwards replica stdout to `serve run`, so users see the progress
-        print(f"model replica {self.replica_id}: loading {engine_config.model!r} ...", flush=True)
+        print(
+            f"model replica {self.replica_id} ({role}): loading {engine_config.model!r} ...",
+            flush=True,
+        )
         start = time.monotonic()
         self.engine = AsyncEngine(engine_config)
         self.tokenizer = self.engine.tokenizer
@@ -53,21 +115,127 @@ class ModelReplica:
         request failed, `error` and `error_kind`. Closing this generator early (client gone)
         aborts the engine request and frees its KV blocks.
         """
-        # The deadline starts when the request reaches the replica, on this replica's clock.
-        deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
         request = GenerateRequest(
-            req.request_id, list(req.prompt_token_ids), req.params, req.priority, deadline
+            req.request_id, list(req.prompt_token_ids), req.params, req.priority, _deadline(req)
+        )
+        async for chunk in self._stream(request, OutputProcessor(req, self.tokenizer)):
+            yield chunk
+
+    async def prefill(self, req: ReplicaRequest) -> PrefillResult:
+        """PD prefill: run the prompt, sample exactly the first token, stage the prompt's KV.
+
+        The result's chunk carries the first token; it is final (`finished`, stats, error)
+        only when the request ends there: an error, EOS, a stop token, an output limit of 1,
+        maxSeqLen. Otherwise `transfer` is the KV's handle for a decode replica, and this
+        replica's blocks are already free. Cancelling this coroutine (client gone) aborts the
+        engine request and frees its blocks.
+        """
+        request = GenerateRequest(
+            req.request_id,
+            list(req.prompt_token_ids),
+            req.params,
+            req.priority,
+            _deadline(req),
+            export_kv=True,
         )
         processor = OutputProcessor(req, self.tokenizer)
+        output, error = None, None
+        try:
+            async with aclosing(self.engine.generate(request)) as outputs:
+                async for output in outputs:
+                    if output.finished:
+                        break
+        except RequestRejected as exc:
+            error = processor.error_chunk("rejected", str(exc))
+        except EngineError as exc:
+            error = processor.error_chunk("engine", str(exc))
+        except Exception as exc:
+            logger.exception("prefill of %s failed in the replica", req.request_id)
+            error = processor.error_chunk("engine", f"replica error: {exc!r}")
+        if error is None and (output is None or not output.finished):
+            error = processor.error_chunk("engine", "the engine ended the prefill without output")
+        if error is not None:
+            return PrefillResult(self._final(error))
+        prompt_len = len(req.prompt_token_ids)
+        ends = (
+            output.kv_payload is None  # EOS / stop token / abort / timeout: nothing to continue
+            or self.limits.pd_total_tokens(req.params.max_tokens) <= 1
+            or prompt_len + 1 >= self.engine.engine.max_model_len
+        )
+        chunk, held = processor.process_first(output, ends)
+        if chunk.finished:
+            return PrefillResult(self._final(chunk))
+        try:
+            transfer = await self.connector.send(output.kv_payload)
+        except Exception as exc:
+            logger.exception("staging the KV of %s failed", req.request_id)
+            message = f"staging the prompt's KV cache for decode failed: {exc!r}"
+            return PrefillResult(self._final(processor.error_chunk("engine", message)))
+        chunk.kv_bytes = transfer.nbytes
+        chunk.replica_id = self.replica_id
+        return PrefillResult(chunk, transfer, output.generator_state, first_text_held=held)
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]:
+        """PD decode: fetch the prompt's KV, import it, and stream the tokens after the first.
+
+        Chunks are those of `generate` for the same request, except that the first token (sent
+        by the prefill replica) is not repeated: text continues where the prefill's left off,
+        and num_output_tokens counts the first token too. The first chunk carries handoff_ms
+        (fetch + import), kv_bytes and kv_recomputed. A KV that cannot be fetched (prefill
+        replica gone, object lost, timeout) is recomputed from the prompt, or fails the request
+        under kv_loss_policy "fail". Closing this generator early aborts the request and frees
+        its blocks, at any stage.
+        """
+        r = req.request
+        processor = OutputProcessor(r, self.tokenizer, first_token_id=req.first_token_id)
+        start = time.monotonic()
+        kv, kv_bytes = None, 0
+        if req.transfer is not None:
+            try:
+                kv = await self._connector_of(req.transfer.connector).fetch(req.transfer)
+                kv_bytes = req.transfer.nbytes
+            except Exception as exc:  # ObjectLostError, OwnerDiedError, RayActorError, timeout
+                self.num_kv_lost += 1
+                if self.kv_loss_policy == "fail":
+                    message = (
+                        f"the prompt's KV cache could not be fetched from the prefill replica "
+                        f"({exc!r}); kv_loss_policy is 'fail', so it is not recomputed"
+                    )
+                    yield self._final(processor.error_chunk("engine", message))
+                    return
+                logger.warning("KV of %s lost (%r): recomputing the prompt", r.request_id, exc)
+        handoff = _Handoff((time.monotonic() - start) * 1e3, kv_bytes, recomputed=kv is None)
+        limit = req.output_limit or self.limits.pd_total_tokens(r.params.max_tokens)
+        request = GenerateRequest(
+            r.request_id,
+            list(r.prompt_token_ids),
+            r.params,
+            r.priority,
+            _deadline(r),
+            imported=ImportedPrefill(req.first_token_id, kv, req.generator_state, limit),
+        )
+        async for chunk in self._stream(request, processor, handoff):
+            yield chunk
+
+    async def _stream(
+        self,
+        request: GenerateRequest,
+        processor: OutputProcessor,
+        handoff: _Handoff | None = None,
+    ) -> AsyncIterator[ReplicaChunk]:
         final: ReplicaChunk | None = None
         try:
             # aclosing: leaving the loop early (all choices hit a stop string) must abort the
             # engine request now, not whenever the engine's generator is garbage collected.
             async with aclosing(self.engine.generate(request)) as outputs:
                 async for output in outputs:
+                    if handoff is not None and output.kv_import_ms is not None:
+                        handoff.import_ms = output.kv_import_ms
                     chunk = processor.process(output)
                     if chunk is None:
                         continue
+                    if handoff is not None:
+                        handoff.stamp(chunk)
                     if chunk.finished:
                         final = chunk
                         break
@@ -77,19 +245,33 @@ class ModelReplica:
         except EngineError as exc:
             final = processor.error_chunk("engine", str(exc))
         except Exception as exc:  # a bug here must not take the replica's stream down silently
-            logger.exception("request %s failed in the replica", req.request_id)
+            logger.exception("request %s failed in the replica", request.request_id)
             final = processor.error_chunk("engine", f"replica error: {exc!r}")
         if final is None:
             final = processor.error_chunk("engine", "the engine ended the request without output")
-        final.stats = self.engine.stats()
-        final.replica_id = self.replica_id
-        yield final
+        if handoff is not None:
+            handoff.stamp(final)
+        yield self._final(final)
+
+    def _final(self, chunk: ReplicaChunk) -> ReplicaChunk:
+        chunk.stats = self.engine.stats()
+        chunk.replica_id = self.replica_id
+        return chunk
+
+    def _connector_of(self, name: str) -> KVConnector:
+        return self.connector if name == self.connector.name else connector_for(name)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
     async def stats(self) -> dict:
-        return {**self.engine.stats(), "replica_id": self.replica_id, "model": self.model_name}
+        return {
+            **self.engine.stats(),
+            "replica_id": self.replica_id,
+            "model": self.model_name,
+            "role": self.role,
+            "num_kv_lost": self.num_kv_lost,
+        }
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop died must be replaced."""
@@ -116,6 +298,11 @@ class ModelReplica:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to report to
             pass
+
+
+def _deadline(req: ReplicaRequest) -> float | None:
+    """The deadline starts when the request reaches the replica, on this replica's clock."""
+    return None if req.timeout_s is None else time.monotonic() + req.timeout_s
 
 
 def _ray_node_id() -> str | None:

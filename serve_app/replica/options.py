@@ -61,8 +61,13 @@ def _merge(defaults: dict[str, Any], user: DeploymentOptions) -> dict[str, Any]:
 
 
 def model_replica_options(
-    config: AppConfig, model_index: int = 0, cluster_resources: dict | None = None
+    config: AppConfig,
+    model_index: int = 0,
+    cluster_resources: dict | None = None,
+    role: str = "both",
 ) -> dict[str, Any]:
+    """Options of a model replica deployment; role prefill / decode (inferMode dmi) take their
+    overrides from Deployments.Prefill / Deployments.Decode, the same defaults otherwise."""
     model = config.BackendConfig.ModelDeployConfig.ModelConfig[model_index]
     device = model.device
     if device == "auto":
@@ -80,7 +85,12 @@ def model_replica_options(
         "health_check_period_s": 10,
         "health_check_timeout_s": 60,
     }
-    return _merge(defaults, config.Deployments.ModelReplica)
+    user = {
+        "both": config.Deployments.ModelReplica,
+        "prefill": config.Deployments.Prefill,
+        "decode": config.Deployments.Decode,
+    }[role]
+    return _merge(defaults, user)
 
 
 def tokenizer_pool_options(config: AppConfig) -> dict[str, Any]:

@@ -9,6 +9,7 @@ step and frees its KV blocks. Nothing after a stop string is ever emitted.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics, TokenLogprob
@@ -42,12 +43,25 @@ class _Choice:
         self.num_text_chars = 0  # characters of stop-processed text emitted so far
         self.finished = False
 
+    def continue_after(self, first_token_id: int) -> None:
+        """PD decode: the prefill replica already sent the first token (and its text, unless
+        the detokenizer held it back). Replaying it through an identical detokenizer puts this
+        one in the same state, so the next delta continues the text exactly, held bytes
+        included."""
+        self.detokenizer.push_one(first_token_id)
+        self.num_output_tokens = 1
+        self.num_text_chars = len(self.detokenizer.text)
+
 
 class OutputProcessor:
     """Turns one request's `RequestOutput`s into `ReplicaChunk`s (stream) or one final chunk."""
 
-    def __init__(self, req: ReplicaRequest, tokenizer: Any) -> None:
+    def __init__(
+        self, req: ReplicaRequest, tokenizer: Any, first_token_id: int | None = None
+    ) -> None:
+        """first_token_id: PD decode, the output continues after this already-sent token."""
         self.req = req
+        self._first_token_id = first_token_id
         self._tokenizer = tokenizer
         self._choices: dict[int, _Choice] = {}
         self._want_logprobs = req.params.logprobs is not None
@@ -95,6 +109,27 @@ class OutputProcessor:
             self._finish_chunk(chunk)
         return chunk
 
+    def process_first(self, output: RequestOutput, ends: bool) -> tuple[ReplicaChunk, bool]:
+        """PD prefill: the chunk for the first token, and whether its text is held back.
+
+        The engine finishes every prefill after one token. Unless that token really ends the
+        request (`ends`: EOS, a stop token, an output limit of 1, maxSeqLen, an abort), the
+        chunk is not final: no flush of a held-back incomplete character (the decode replica
+        releases it with the next token), no finish reason. Always a delta, even for
+        non-stream requests, so that the ingress can put the first token in front of decode's.
+        """
+        if ends:  # a finished output always makes a chunk, stream or not
+            return self.process(output), False
+        co = output.outputs[0]
+        choice = self._choice(co.index)
+        delta = self._consume(choice, replace(co, finish_reason=None, stop_reason=None), False)
+        steps = [_step_info(m) for m in self._step_metrics(output)]
+        chunk = ReplicaChunk(self.req.request_id, choices=[delta], steps=steps)
+        chunk.num_prompt_tokens = len(self.req.prompt_token_ids)
+        if self.all_finished:  # a stop string completed on the first token
+            self._finish_chunk(chunk)
+        return chunk, choice.detokenizer.has_pending
+
     @staticmethod
     def _step_metrics(output: RequestOutput) -> list[StepMetrics]:
         """The engine steps this output stands for: one per step that produced its tokens.
@@ -124,6 +159,8 @@ class OutputProcessor:
         choice = self._choices.get(index)
         if choice is None:
             choice = self._choices[index] = _Choice(index, self.req, self._tokenizer)
+            if self._first_token_id is not None:
+                choice.continue_after(self._first_token_id)
         return choice
 
     def _consume(self, choice: _Choice, co: CompletionOutput, finish_all: bool) -> ChoiceDelta:

@@ -49,6 +49,11 @@ class IncrementalDetokenizer:
         """All output token ids pushed so far (no prompt context)."""
         return self._ids[self._n_context :]
 
+    @property
+    def has_pending(self) -> bool:
+        """Some pushed tokens are held back (an incomplete character): their text is not out."""
+        return self._read < len(self._ids)
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 

@@ -1,8 +1,9 @@
-"""One Ray cluster and one running app for the whole serve test session.
+"""One Ray cluster and Serve instance for the whole serve test session; one app per module.
 
 The cluster is built on this machine with `ray.cluster_utils.Cluster`: a head node without `NPU`
-(the ingress and the tokenizer pool need none) and a worker advertising `NPU: 1`, so the model
-replica must land on the worker and see ASCEND_RT_VISIBLE_DEVICES there (the model runs on CPU).
+(the ingress and the tokenizer pool need none) and two workers advertising `NPU: 1` each, so
+model replicas must land on workers and see ASCEND_RT_VISIBLE_DEVICES there (the model runs on
+CPU). test_serve_app.py deploys the colocated app, test_pd.py the PD one (one replica per worker).
 """
 
 from __future__ import annotations
@@ -12,23 +13,7 @@ import time
 
 import httpx
 import pytest
-
-SERVE_TEST_ARGS = {
-    "BackendConfig": {
-        "tokenizerProcessNumber": 1,
-        "ModelDeployConfig": {
-            "maxSeqLen": 512,
-            "maxInputTokenLen": 256,
-            "ModelConfig": [{"modelName": "demo", "modelWeightPath": "demo-tiny"}],
-        },
-        "ScheduleConfig": {
-            "maxIterTimes": 64,
-            "maxPrefillTokens": 512,
-            "cacheBlockSize": 16,
-            "kvCacheBlocks": 256,
-        },
-    },
-}
+from serve_helpers import SERVE_TEST_ARGS, deploy
 
 
 def _free_port() -> int:
@@ -40,6 +25,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def cluster():
     import ray
+    from ray import serve
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
@@ -48,41 +34,28 @@ def cluster():
     )
     # Ray's own traffic stays on this machine's address (forcing 127.0.0.1 on the nodes made
     # the driver look for the GCS elsewhere); the HTTP proxy below listens on 127.0.0.1 only.
-    worker = cluster.add_node(num_cpus=2, resources={"NPU": 1})
+    workers = [cluster.add_node(num_cpus=2, resources={"NPU": 1}) for _ in range(2)]
     ray.init(address=cluster.address, logging_level="WARNING")
-    cluster.npu_node_id = worker.node_id
+    cluster.npu_node_ids = {w.node_id for w in workers}
+    cluster.port = _free_port()
+    # One proxy: all "nodes" share this machine, so a proxy per node would fight over the port.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": cluster.port})
     yield cluster
+    serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(cluster):
-    """Base URL of the app, ready (every model replica loaded)."""
+    """The colocated app (inferMode standard), for this module."""
     from ray import serve
 
-    from serve_app.app import build_app
-
-    port = _free_port()
-    # One proxy: both "nodes" share 127.0.0.1, so a proxy per node would fight over the port.
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(SERVE_TEST_ARGS), name="serve_app", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        pytest.fail("the app did not become ready in 120 s")
-    yield url
-    serve.shutdown()
+    yield deploy(cluster, SERVE_TEST_ARGS)
+    serve.delete("serve_app")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server, timeout=60) as client:
         yield client

@@ -1,0 +1,58 @@
+"""KV connectors: the in-process one always; the object-store one only where Ray already runs
+(these tests never start Ray)."""
+
+import asyncio
+import sys
+
+import pytest
+import torch
+
+from serve_app.disagg.connector import LocalConnector, ObjectStoreConnector, connector_for
+from serve_app.engine.kv_transfer import KVPayload
+from serve_app.messages import KVTransfer
+
+
+def payload(num_tokens=5):
+    keys = [torch.randn(num_tokens, 2, 4) for _ in range(3)]
+    values = [torch.randn(num_tokens, 2, 4) for _ in range(3)]
+    return KVPayload(num_tokens, keys, values, torch.float32, read_ms=1.5)
+
+
+def test_local_connector_round_trip():
+    connector = connector_for("local")
+    assert isinstance(connector, LocalConnector) and connector.name == "local"
+    sent = payload()
+    transfer = asyncio.run(connector.send(sent))
+    assert transfer.connector == "local" and transfer.num_tokens == 5
+    assert transfer.nbytes == sent.nbytes == 2 * 3 * 5 * 2 * 4 * 4
+    assert transfer.staged_ms == 1.5  # nothing to stage beyond the engine's gather
+    assert asyncio.run(connector.fetch(transfer)) is sent
+
+
+def test_local_connector_refuses_a_foreign_ref():
+    with pytest.raises(TypeError):
+        asyncio.run(LocalConnector().fetch(KVTransfer("local", "not a payload", 1, 0)))
+
+
+def test_unknown_connector_is_named():
+    assert isinstance(connector_for("object_store"), ObjectStoreConnector)
+    with pytest.raises(ValueError, match="hccl"):
+        connector_for("hccl")
+
+
+def test_object_store_connector_when_ray_runs():
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        pytest.skip("Ray is not running (these tests never start it)")
+    connector = ObjectStoreConnector(timeout_s=30)
+    sent = payload()
+
+    async def run():
+        transfer = await connector.send(sent)
+        return transfer, await connector.fetch(transfer)
+
+    transfer, got = asyncio.run(run())
+    assert transfer.connector == "object_store" and transfer.nbytes == sent.nbytes
+    assert transfer.staged_ms >= sent.read_ms
+    for a, b in zip(sent.keys + sent.values, got.keys + got.values, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,56 @@
+"""The documented PD rules, table-driven (DESIGN.md "Token-count rules", MINDIE.md "PD")."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.disagg.rules import (
+    UNSUPPORTED,
+    decode_steps,
+    refuse_unsupported,
+    total_output_limit,
+)
+from serve_app.protocol.errors import APIError
+from serve_app.tokenizer.limits import TokenLimits
+
+LIMITS = TokenLimits(max_seq_len=2560, max_input_token_len=2048, max_iter_times=512)
+
+
+@pytest.mark.parametrize(
+    "max_tokens, total, decode",
+    [
+        (None, 513, 512),  # the limit comes from maxIterTimes: decode runs maxIterTimes steps
+        (512, 513, 512),  # max_tokens not smaller than maxIterTimes: the same
+        (100000, 513, 512),  # larger: clamped to maxIterTimes, then the same
+        (511, 511, 510),  # smaller: exact
+        (20, 20, 19),  # /infer_token's default max_new_tokens
+        (1, 1, 0),  # the prefill's first token is all there is
+    ],
+)
+def test_output_limits(max_tokens, total, decode):
+    assert total_output_limit(LIMITS, max_tokens) == total
+    assert decode_steps(LIMITS, max_tokens) == decode
+
+
+@pytest.mark.parametrize("param", UNSUPPORTED)
+def test_each_unsupported_parameter_is_refused_in_pd_mode_only(param):
+    refuse_unsupported(False, {param: True})  # standard mode: fine
+    refuse_unsupported(True, {param: False})  # not given: fine
+    with pytest.raises(APIError) as caught:
+        refuse_unsupported(True, {param: True})
+    error = caught.value
+    assert error.kind == "unsupported" and error.param == param
+    assert error.message == f"{param} is not supported in PD (inferMode dmi) mode"
+    assert error.status("mindie") == 422 and error.status("openai") == 400
+    assert error.status("triton") == 400
+
+
+def test_the_first_given_parameter_is_named():
+    with pytest.raises(APIError) as caught:
+        refuse_unsupported(True, {"stop": False, "n": True, "logprobs": True})
+    assert caught.value.param == "n"
+
+
+def test_a_parameter_outside_the_rules_is_a_programming_error():
+    with pytest.raises(ValueError):
+        refuse_unsupported(True, {"temperature": True})

@@ -1,0 +1,180 @@
+"""PD disaggregation across nodes: prefill on one NPU worker, decode on the other, over HTTP.
+
+The cluster (tests/serve/conftest.py) has a head without NPU and two workers advertising
+`NPU: 1` each, so the prefill and the decode replica must land on different workers and the KV
+crosses nodes through the Ray object store. Outputs must equal a colocated engine's, token for
+token, for greedy and for seeded sampling.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+
+import httpx
+import pytest
+from serve_helpers import PD_ARGS, PD_MAX_ITER, deploy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    [5618, 19678, 701, 9072, 13],
+    [9707, 11, 1879, 0],
+    list(range(1000, 1040)),
+    [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198],
+]
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    from ray import serve
+
+    yield deploy(cluster, PD_ARGS)
+    serve.delete("serve_app")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A colocated engine on the same weights and limits, in this process."""
+    from serve_app.config import load_config
+    from serve_app.engine import LLM
+
+    config = load_config(copy.deepcopy(PD_ARGS)).engine_config()
+    llm = LLM(config.model, **{"dtype": config.dtype, "maxSeqLen": config.max_seq_len,
+                              "maxIterTimes": config.max_iter_times,
+                              "cacheBlockSize": config.block_size,
+                              "kvCacheBlocks": config.num_kv_blocks})  # fmt: skip
+    return llm
+
+
+def _stream_ids(client: httpx.Client, body: dict) -> tuple[list[int], dict]:
+    ids, last = [], {}
+    with client.stream("POST", "/infer_token", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                ids.append(event["token"]["id"])
+                last = event
+    return ids, last
+
+
+def test_prefill_and_decode_run_on_different_npu_nodes(cluster, http):
+    from ray import serve
+
+    infos = {
+        name: serve.get_deployment_handle(name, app_name="serve_app")
+        .device_info.remote()
+        .result(timeout_s=30)
+        for name in ("PrefillReplica", "DecodeReplica")
+    }
+    nodes = {name: info["node_id"] for name, info in infos.items()}
+    assert set(nodes.values()) == cluster.npu_node_ids  # one each, never the head
+    assert all(info["ASCEND_RT_VISIBLE_DEVICES"] == "0" for info in infos.values())
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"do_sample": False}, {"temperature": 1.0, "top_k": 50, "seed": 42}],
+    ids=["greedy", "seeded"],
+)
+def test_outputs_equal_colocated_token_for_token(server, reference, kv_idle_http, sampling):
+    from serve_app.engine import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0 if not sampling.get("do_sample", True) else sampling["temperature"],
+        top_k=sampling.get("top_k", 0),
+        seed=sampling.get("seed"),
+    )
+    expected = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, params)]
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        with httpx.Client(base_url=server, timeout=60) as c:
+            body = {"input_id": PROMPTS[i], "parameters": {"max_new_tokens": 12, **sampling}}
+            results[i] = _stream_ids(c, body)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(len(PROMPTS))] == expected
+    assert kv_idle_http()
+
+
+def test_token_count_rules(http):
+    # the limit comes from maxIterTimes: decode runs maxIterTimes steps after prefill's token
+    body = {"model": "demo", "prompt": "count with me", "temperature": 0}
+    usage = http.post("/v1/completions", json=body).json()["usage"]
+    assert usage["completion_tokens"] == PD_MAX_ITER + 1
+    # a smaller max_tokens is exact, and the stream's last event counts both sides
+    usage = http.post("/v1/completions", json={**body, "max_tokens": 5}).json()["usage"]
+    assert usage["completion_tokens"] == 5
+    ids, last = _stream_ids(http, {"input_id": PROMPTS[0], "parameters": {"details": True}})
+    assert len(ids) == last["details"]["generated_tokens"] == 20  # max_new_tokens default
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"model": "demo", "prompt": "x", "n": 2, "temperature": 1}, "n"),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "stop": ["a"]}, "stop"),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "logprobs": 1}, "logprobs"),
+        ("/v1/chat/completions",
+         {"model": "demo", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+         "logprobs"),
+        ("/v2/models/demo/generate", {"text_input": "x", "parameters": {"stop": "a"}}, None),
+    ],
+)  # fmt: skip
+def test_unsupported_parameters_are_refused_before_any_work(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    message = error["message"] if isinstance(error, dict) else error
+    assert "not supported in PD" in message
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_disconnect_during_decode_frees_both_sides(server, kv_idle_http):
+    body = {"inputs": "a long story", "stream": True, "parameters": {"max_new_tokens": 60}}
+    with httpx.Client(base_url=server, timeout=60) as c:
+        with c.stream("POST", "/infer", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:  # prefill's token and two decode tokens: hang up mid-decode
+                    break
+    assert kv_idle_http()
+
+
+def test_stop_infer_and_timeout_free_both_sides(server, http, kv_idle_http):
+    body = {"id": "pd-stop", "text_input": "go", "parameters": {"max_new_tokens": 60}}
+    done = {}
+
+    def run():
+        with httpx.Client(base_url=server, timeout=60) as c:
+            done["r"] = c.post("/v2/models/demo/generate_stream", json=body).text
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    for _ in range(400):
+        if http.post("/v2/models/demo/stopInfer", json={"id": "pd-stop"}).status_code == 200:
+            break
+    thread.join(30)
+    assert kv_idle_http()
+    r = http.post("/infer", json={"inputs": "x", "parameters": {"max_new_tokens": 60,
+                                                                   "timeout": 0.01}})  # fmt: skip
+    assert r.status_code == 500 and r.json()["error_type"] == "Incomplete Generation"
+    assert kv_idle_http()
+
+
+def test_pd_metrics(http):
+    text = http.get("/metrics").text
+    for stage in ("queue", "prefill", "handoff", "first_decode_step"):
+        assert f'stage="{stage}"' in text, stage
+    assert "kv_transfer_bytes_total" in text and "kv_handoff_seconds_bucket" in text
