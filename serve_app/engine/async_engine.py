@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ class GenerateRequest:
     deadline: float | None = None  # time.monotonic() deadline of this request
     export_kv: bool = False  # PD prefill: one token, then the prompt's KV on the final output
     imported: ImportedPrefill | None = None  # PD decode: continue another engine's prefill
+    # When the request reached the engine's owner; stamped by generate() if unset, so that time
+    # spent in the inbox behind a long running step counts as queueing, not as prefill.
+    arrival_time: float | None = None
 
 
 class EngineError(RuntimeError):
@@ -56,6 +60,8 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Outputs as they come; the last one has `finished`. Leaving early aborts the request."""
         loop = asyncio.get_running_loop()
+        if request.arrival_time is None:
+            request.arrival_time = time.monotonic()
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (loop, outputs)
         self._send(("add", request))
@@ -119,6 +125,7 @@ class AsyncEngine:
                 request.priority,
                 request.deadline,
                 export_kv=request.export_kv,
+                arrival_time=request.arrival_time,
             )
             return
         self.engine.add_imported_request(
@@ -131,6 +138,7 @@ class AsyncEngine:
             imported.output_limit,
             request.priority,
             request.deadline,
+            arrival_time=request.arrival_time,
         )
 
     def _run(self) -> None:

@@ -73,6 +73,7 @@ class LLMEngine:
         priority: int = 5,
         deadline: float | None = None,
         export_kv: bool = False,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Raises ValueError for input the engine can never serve.
 
@@ -87,6 +88,7 @@ class LLMEngine:
         self._check_fits(len(prompt), limit, params.num_seqs)
         seq = Sequence(prompt, len(prompt), generator=self._generator(params.seed, 0))
         request = Request(request_id, prompt, params, limit, priority=priority, deadline=deadline)
+        request.arrival_time = arrival_time or request.arrival_time
         request.export_kv = export_kv
         request.seqs.append(seq)
         self.requests[request_id] = request
@@ -103,6 +105,7 @@ class LLMEngine:
         output_limit: int = 0,
         priority: int = 5,
         deadline: float | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Continue a request another engine prefilled (PD decode). Raises ValueError like
         add_request.
@@ -136,6 +139,7 @@ class LLMEngine:
         request = Request(
             request_id, prompt, params, output_limit, priority=priority, deadline=deadline
         )
+        request.arrival_time = arrival_time or request.arrival_time
         # Timing of later tokens counts from the hand-off, not from an arrival here.
         request.last_token_time = request.arrival_time
         request.seqs.append(seq)

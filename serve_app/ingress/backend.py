@@ -39,8 +39,8 @@ class Backend(Protocol):
     async def ready(self) -> bool: ...
 
 
-class LocalBackend:
-    """Plain TokenizerPool and ModelReplica objects in this process (tests, offline use)."""
+class _Targets:
+    """The tokenizer pool and, per model name, the replicas of each role."""
 
     def __init__(
         self,
@@ -50,9 +50,17 @@ class LocalBackend:
         decode: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer_pool = tokenizer_pool
-        self.replicas = replicas
+        self.replicas = replicas  # colocated (inferMode standard)
         self.prefill_replicas = prefill or {}
         self.decode_replicas = decode or {}
+
+    def replicas_of(self, model: str) -> list:
+        groups = (self.replicas, self.prefill_replicas, self.decode_replicas)
+        return [group[model] for group in groups if model in group]
+
+
+class LocalBackend(_Targets):
+    """Plain TokenizerPool and ModelReplica objects in this process (tests, offline use)."""
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
         return await self.tokenizer_pool.tokenize(req)
@@ -67,14 +75,14 @@ class LocalBackend:
         return self.decode_replicas[model].decode(req)
 
     async def stats(self, model: str) -> list[dict]:
-        return [await replica.stats() for replica in _replicas_of(self, model)]
+        return [await replica.stats() for replica in self.replicas_of(model)]
 
     async def ready(self) -> bool:
         return True
 
 
-class RayBackend:
-    """Ray Serve handles: one tokenizer pool, one model replica deployment per model name."""
+class RayBackend(_Targets):
+    """Ray Serve handles: one tokenizer pool, replica deployments per model name and role."""
 
     def __init__(
         self,
@@ -84,10 +92,7 @@ class RayBackend:
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
     ) -> None:
-        self.tokenizer_pool = tokenizer_pool
-        self.replicas = replicas
-        self.prefill_replicas = prefill or {}
-        self.decode_replicas = decode or {}
+        super().__init__(tokenizer_pool, replicas, prefill, decode)
         self.app_name = app_name
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
 
@@ -105,7 +110,7 @@ class RayBackend:
         return _stream(self.decode_replicas[model].options(stream=True).decode.remote(req))
 
     async def stats(self, model: str) -> list[dict]:
-        return [await replica.stats.remote() for replica in _replicas_of(self, model)]
+        return [await replica.stats.remote() for replica in self.replicas_of(model)]
 
     async def ready(self) -> bool:
         """True once every model replica deployment is HEALTHY (all replicas loaded)."""
@@ -123,15 +128,6 @@ class RayBackend:
             if deployment is None or str(deployment.status).split(".")[-1] != "HEALTHY":
                 return False
         return True
-
-
-def _replicas_of(backend, model: str) -> list:
-    found = [
-        group[model]
-        for group in (backend.replicas, backend.prefill_replicas, backend.decode_replicas)
-        if model in group
-    ]
-    return found
 
 
 async def _stream(stream) -> AsyncIterator[ReplicaChunk]:

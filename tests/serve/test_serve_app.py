@@ -176,3 +176,51 @@ def test_non_stream_client_that_gives_up_leaves_nothing_behind(server, kv_idle_h
         with pytest.raises(httpx.TimeoutException):
             c.post("/v1/completions", json=body)
     assert kv_idle_http(10)
+
+
+SEED_EXAMPLES = [  # the request examples of seeds 002 and 004 (model: the one served here)
+    ("/v1/chat/completions", {
+        "model": "demo", "messages": [{"role": "user", "content": "You are a helpful assistant."}],
+        "max_tokens": 20, "presence_penalty": 1.03, "frequency_penalty": 1.0, "seed": None,
+        "temperature": 0.5, "top_p": 0.95, "stream": False}),
+    ("/v1/chat/completions", {
+        "model": "demo", "messages": [
+            {"role": "system", "content": "You are a student who is good at math."},
+            {"role": "user", "content": "what is your hobby?"}],
+        "max_tokens": 20, "presence_penalty": 1.03, "frequency_penalty": 1.0, "seed": None,
+        "temperature": 0.5, "top_p": 0.95, "stream": False}),
+    ("/v1/completions", {
+        "model": "demo", "prompt": "who are you", "temperature": 1, "max_tokens": 5,
+        "use_beam_search": True, "ignore_eos": True, "n": 2, "best_of": 2, "stream": True,
+        "logprobs": 2}),
+    ("/v1/completions", {
+        "model": "demo", "prompt": "who are you", "temperature": 1, "max_tokens": 5,
+        "ignore_eos": True, "n": 2, "best_of": 2, "stream": False, "logprobs": 2}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path, body", SEED_EXAMPLES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_seed_examples_over_http(http, kv_idle_http, path, body, stream):
+    if body.get("use_beam_search") and not stream:
+        body = {**body, "stream": False}
+    elif not body.get("use_beam_search"):
+        body = {**body, "stream": stream}
+    if path == "/v1/completions" and body["stream"] and not body.get("use_beam_search"):
+        body = {**body, "n": 2, "best_of": 2}  # streaming needs best_of == n (seed 004)
+    if not body["stream"]:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["object"] in ("chat.completion", "text_completion")
+        assert len(out["choices"]) == body.get("n", 1)
+        assert out["usage"]["total_tokens"] == (
+            out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+        )
+    else:
+        with http.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            events = _events(r)
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+        assert all(e["object"].endswith(("chunk", "text_completion")) for e in events[:-1])
+    assert kv_idle_http()
