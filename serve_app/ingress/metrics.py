@@ -145,8 +145,18 @@ class _EngineCollector:
             for name, (_, key, combine) in gauges.items():
                 families[name].add_metric([model], combine([float(s.get(key, 0)) for s in stats]))
             preemptions.add_metric([model], sum(float(s.get("num_preemptions", 0)) for s in stats))
+        lost = CounterMetricFamily(
+            "kv_lost",
+            "PD hand-offs whose KV never reached the decode replica (then recomputed or failed, "
+            "per kvLossPolicy).",
+            labels=["model_name"],
+        )
+        for model in list(self.metrics._replica_stats):
+            stats = self.metrics.live_stats(model)
+            lost.add_metric([model], sum(float(s.get("num_kv_lost", 0)) for s in stats))
         yield from families.values()
         yield preemptions
+        yield lost
 
 
 def _mean(values: list[float]) -> float:

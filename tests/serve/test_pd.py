@@ -178,3 +178,4 @@ def test_pd_metrics(http):
     for stage in ("queue", "prefill", "handoff", "first_decode_step"):
         assert f'stage="{stage}"' in text, stage
     assert "kv_transfer_bytes_total" in text and "kv_handoff_seconds_bucket" in text
+    assert 'kv_lost_total{model_name="demo"} 0.0' in text
