@@ -45,9 +45,17 @@ async def pd_generate(
         first_text_held=result.first_text_held,
         output_limit=total_output_limit(limits, req.params.max_tokens),
     )
+    staged_ms = result.transfer.staged_ms
+    result = None  # the ingress keeps no reference to the staged KV once decode has it
     stream = backend.decode(model, decode)
+    first_decode = True
     try:
         async for chunk in stream:
+            if first_decode:
+                first_decode, decode.transfer = False, None
+                # the hand-off is both sides: staging on prefill, fetch + import on decode
+                if chunk.handoff_ms is not None:
+                    chunk.handoff_ms += staged_ms
             # To the decode engine its first token is a "first token"; to the client it is a
             # later one: report its time as decode time, as colocated streams do.
             for step in chunk.steps:

@@ -140,6 +140,7 @@ class AsyncEngine:
             request.deadline,
             arrival_time=request.arrival_time,
         )
+        imported.kv = None  # the engine holds it until it is in the pool; then nobody does
 
     def _run(self) -> None:
         while not self._stopped:

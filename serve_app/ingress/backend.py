@@ -103,8 +103,15 @@ class RayBackend(_Targets):
         return _stream(self.replicas[model].options(stream=True).generate.remote(req))
 
     async def prefill(self, model: str, req: ReplicaRequest) -> PrefillResult:
-        # awaiting a DeploymentResponse: a cancelled caller cancels the replica's coroutine
-        return await self.prefill_replicas[model].prefill.remote(req)
+        response = self.prefill_replicas[model].prefill.remote(req)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            # Awaiting a DeploymentResponse does not cancel it when the caller is cancelled
+            # (stopInfer, timeout, client gone): cancel it, so the prefill replica aborts the
+            # request and frees its blocks now rather than when the prefill would finish.
+            response.cancel()
+            raise
 
     def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]:
         return _stream(self.decode_replicas[model].options(stream=True).decode.remote(req))

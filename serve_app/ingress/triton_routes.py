@@ -69,8 +69,8 @@ async def _generate(
             "version",
         )
     params = body.params
-    max_tokens = p.limits.output_limit(params.output_tokens(), "parameters.max_tokens")
     refuse_unsupported(p.pd_mode, {"stop": bool(params.stop_list)})
+    max_tokens = p.limits.output_limit(params.output_tokens(), "parameters.max_tokens")
     prompt = await p.tokenize(
         TokenizeRequest(model=model, kind="text", text=body.text_input, param="text_input")
     )

@@ -126,7 +126,18 @@ class ChatCompletionRequest(BaseModel):
     priority: Priority = Field(None, description="[1, 5], 1 first; default 5.")
 
     def check(self, pd_mode: bool) -> None:
-        """Rules across fields (raised as 400 naming the parameter), then PD refusals."""
+        """PD refusals first (what PD cannot run is named as such), then the rules across
+        fields (raised as 400 naming the parameter)."""
+        refuse_in_pd(
+            pd_mode,
+            {
+                "stop": bool(self.stop),
+                "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+                "n": (self.n or 1) > 1,
+                "logprobs": bool(self.logprobs),
+                "top_logprobs": self.top_logprobs is not None,
+            },
+        )
         chars = sum(len(text_parts(m.content)) for m in self.messages)
         if chars > MAX_MESSAGE_CHARS:
             raise invalid(
@@ -138,16 +149,6 @@ class ChatCompletionRequest(BaseModel):
             raise invalid("top_logprobs", "can only be set when logprobs is true")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "can only be set when stream is true")
-        refuse_in_pd(
-            pd_mode,
-            {
-                "stop": bool(self.stop),
-                "include_stop_str_in_output": bool(self.include_stop_str_in_output),
-                "n": (self.n or 1) > 1,
-                "logprobs": bool(self.logprobs),
-                "top_logprobs": self.top_logprobs is not None,
-            },
-        )
 
     @property
     def include_usage(self) -> bool:

@@ -92,8 +92,19 @@ class CompletionRequest(BaseModel):
     priority: common.Priority = Field(None, description="[1, 5], 1 first; default 5.")
 
     def check(self, pd_mode: bool) -> None:
-        """Seed 004's cross-rules (400 naming the parameter), then the PD refusals."""
+        """The PD refusals first, then seed 004's cross-rules (400 naming the parameter)."""
         beam, n, best_of = bool(self.use_beam_search), self.n, self.best_of
+        common.refuse_in_pd(
+            pd_mode,
+            {
+                "stop": bool(self.stop),
+                "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+                "n": (n or 1) > 1,
+                "best_of": (best_of or 1) > 1,
+                "use_beam_search": beam,
+                "logprobs": self.logprobs is not None,
+            },
+        )
         if beam and self.stop:
             raise common.invalid("stop", "cannot be used with use_beam_search")
         # Seed 004: n > 1 needs temperature > 0, beam search or not; beam search only lifts
@@ -111,17 +122,6 @@ class CompletionRequest(BaseModel):
                 )
             if best_of is not None and n is not None and best_of < n:
                 raise common.invalid("best_of", f"must be >= n ({n}), got {best_of}")
-        common.refuse_in_pd(
-            pd_mode,
-            {
-                "stop": bool(self.stop),
-                "include_stop_str_in_output": bool(self.include_stop_str_in_output),
-                "n": (n or 1) > 1,
-                "best_of": (best_of or 1) > 1,
-                "use_beam_search": beam,
-                "logprobs": self.logprobs is not None,
-            },
-        )
 
     @property
     def fake_stream(self) -> bool:

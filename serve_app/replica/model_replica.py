@@ -12,6 +12,7 @@ replicas answer `decode` (fetch and import that KV, then stream like `generate`)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -189,12 +190,21 @@ class ModelReplica:
         r = req.request
         processor = OutputProcessor(r, self.tokenizer, first_token_id=req.first_token_id)
         start = time.monotonic()
+        deadline = _deadline(r)  # the request's timeout covers the hand-off too
         kv, kv_bytes = None, 0
         if req.transfer is not None:
+            fetch = self._connector_of(req.transfer.connector).fetch(req.transfer)
             try:
-                kv = await self._connector_of(req.transfer.connector).fetch(req.transfer)
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                kv = await asyncio.wait_for(fetch, remaining)
                 kv_bytes = req.transfer.nbytes
-            except Exception as exc:  # ObjectLostError, OwnerDiedError, RayActorError, timeout
+            except TimeoutError:
+                message = (
+                    f"request timed out after {r.timeout_s:g} s (its timeout) in the KV hand-off"
+                )
+                yield self._final(processor.error_chunk("timeout", message))
+                return
+            except Exception as exc:  # ObjectLostError, OwnerDiedError, RayActorError
                 self.num_kv_lost += 1
                 if self.kv_loss_policy == "fail":
                     message = (
@@ -211,9 +221,12 @@ class ModelReplica:
             list(r.prompt_token_ids),
             r.params,
             r.priority,
-            _deadline(r),
+            deadline,
             imported=ImportedPrefill(req.first_token_id, kv, req.generator_state, limit),
         )
+        # The engine keeps the payload only until it is written into the pool; nothing here
+        # should keep the host copy (or the object-store reference) alive for the whole decode.
+        kv, req.transfer = None, None
         async for chunk in self._stream(request, processor, handoff):
             yield chunk
 

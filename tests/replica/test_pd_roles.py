@@ -310,3 +310,14 @@ def test_stats_name_the_role(prefill, decode, colocated):
     assert [s["role"] for s in stats] == ["prefill", "decode", "both"]
     with pytest.raises(ValueError, match="role"):
         ModelReplica(load_config(CONFIG), role="mixed")
+
+
+def test_the_request_timeout_covers_the_hand_off(prefill, decode, prompt, monkeypatch):
+    monkeypatch.setattr(decode, "connector", StuckConnector())
+    req = request(prompt, params(), timeout_s=0.3)
+    start = time.monotonic()
+    _, chunks = run_pd(prefill, decode, req)
+    assert time.monotonic() - start < 3
+    assert chunks[-1].finished and chunks[-1].error_kind == "timeout"
+    assert "hand-off" in chunks[-1].error
+    wait_idle(prefill, decode)
