@@ -13,7 +13,8 @@ from __future__ import annotations
 import glob
 from typing import Any
 
-from serve_app.config import AppConfig, DeploymentOptions
+from serve_app.config import AppConfig
+from serve_app.deployment_options import DeploymentOptions
 
 
 def detect_accelerator(cluster_resources: dict | None = None) -> str:

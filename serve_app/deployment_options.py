@@ -1,0 +1,104 @@
+"""(extension) Ray Serve options per deployment: the `Deployments` section of the config.
+
+Part of the config tree of serve_app/config.py (same rules: unknown keys refused with their
+dotted path, frozen); kept apart because it is Ray Serve's vocabulary, not MindIE's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+_ACTOR_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
+
+
+class DeploymentOptions(BaseModel):
+    """(extension) Ray Serve options of one deployment; unset keys keep our defaults."""
+
+    model_config = _FROZEN
+
+    num_replicas: int | Literal["auto"] | None = Field(
+        None, description="Replica count, or 'auto' for Ray Serve autoscaling defaults."
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config (min_replicas, max_replicas, ...)."
+    )
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests one replica works on at once."
+    )
+    max_queued_requests: int | None = Field(
+        None, ge=-1, description="Requests queued at the handle before 503s; -1 = no limit."
+    )
+    ray_actor_options: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Ray actor options: num_cpus, num_gpus, memory, resources (e.g. {NPU: 1}), "
+            "accelerator_type, runtime_env. Merged over the options derived from the device."
+        ),
+    )
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _replicas(cls, value):
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"must be >= 0 or 'auto', got {value}")
+        return value
+
+    @field_validator("ray_actor_options")
+    @classmethod
+    def _actor(cls, value):
+        unknown = sorted(set(value or {}) - set(_ACTOR_KEYS))
+        if unknown:
+            raise ValueError(
+                f"unknown ray_actor_options key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(_ACTOR_KEYS)}"
+            )
+        return value
+
+    def serve_options(self) -> dict[str, Any]:
+        """The keys that are set, as `serve.deployment(...)` keyword arguments."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class Deployments(BaseModel):
+    """(extension) Per-deployment Ray Serve options, by deployment name."""
+
+    model_config = _FROZEN
+
+    Ingress: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "The FastAPI ingress. Defaults: 1 replica, max_ongoing_requests = "
+            "ServerConfig.maxLinkNum, max_queued_requests = 2 x maxLinkNum, num_cpus 0."
+        ),
+    )
+    TokenizerPool: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "The tokenizer pool. Defaults: BackendConfig.tokenizerProcessNumber replicas, "
+            "num_cpus 0."
+        ),
+    )
+    ModelReplica: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "Model replicas (one deployment per served model). Defaults: 1 replica; the "
+            "accelerator from ModelConfig.device and worldSize (NPU resource, num_gpus or CPU)."
+        ),
+    )
+    Prefill: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "inferMode dmi: the prefill replicas (one deployment per served model); defaults as "
+            "for ModelReplica."
+        ),
+    )
+    Decode: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "inferMode dmi: the decode replicas (one deployment per served model); defaults as "
+            "for ModelReplica."
+        ),
+    )

@@ -1,0 +1,69 @@
+"""The Deployments section and the Ray Serve options derived from the config (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.config import ConfigError, load_config
+from serve_app.replica.options import (
+    ingress_options,
+    model_replica_options,
+    tokenizer_pool_options,
+)
+
+
+def test_unknown_keys_are_named_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"Deployments.ModelReplica.num_replica.*num_replicas"):
+        load_config({"Deployments": {"ModelReplica": {"num_replica": 2}}})
+    with pytest.raises(ConfigError, match="unknown ray_actor_options key"):
+        load_config({"Deployments": {"Decode": {"ray_actor_options": {"npu": 1}}}})
+
+
+@pytest.mark.parametrize(
+    "resources, device, expect",
+    [
+        ({"NPU": 8, "CPU": 64}, "auto", {"num_cpus": 1, "resources": {"NPU": 2}}),
+        ({"GPU": 4}, "auto", {"num_cpus": 1, "num_gpus": 2}),
+        ({"CPU": 2}, "auto", {"num_cpus": 1}),
+        ({"CPU": 2}, "npu", {"num_cpus": 1, "resources": {"NPU": 2}}),
+        ({"NPU": 8}, "cpu", {"num_cpus": 1}),
+    ],
+)
+def test_model_replicas_ask_for_their_accelerator(resources, device, expect):
+    config = load_config(
+        {
+            "BackendConfig": {
+                "ModelDeployConfig": {"ModelConfig": [{"worldSize": 2, "device": device}]}
+            }
+        }
+    )
+    assert model_replica_options(config, 0, resources)["ray_actor_options"] == expect
+
+
+def test_user_options_merge_over_the_derived_ones_per_role():
+    config = load_config(
+        {
+            "ServerConfig": {"inferMode": "dmi"},
+            "Deployments": {
+                "Prefill": {"num_replicas": 2, "ray_actor_options": {"resources": {"foo": 1}}},
+                "Decode": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}},
+            },
+        }
+    )
+    prefill = model_replica_options(config, 0, {"NPU": 2}, role="prefill")
+    assert prefill["num_replicas"] == 2
+    assert prefill["ray_actor_options"]["resources"] == {"NPU": 1, "foo": 1}
+    decode = model_replica_options(config, 0, {"NPU": 2}, role="decode")
+    assert "num_replicas" not in decode and decode["autoscaling_config"]["max_replicas"] == 4
+    assert model_replica_options(config, 0, {"NPU": 2})["num_replicas"] == 1  # colocated default
+
+
+def test_ingress_and_tokenizer_pool_defaults_follow_mindie_limits():
+    config = load_config(
+        {"ServerConfig": {"maxLinkNum": 300}, "BackendConfig": {"tokenizerProcessNumber": 3}}
+    )
+    ingress = ingress_options(config)
+    assert (ingress["max_ongoing_requests"], ingress["max_queued_requests"]) == (300, 600)
+    assert ingress["ray_actor_options"] == {"num_cpus": 0}
+    pool = tokenizer_pool_options(config)
+    assert pool["num_replicas"] == 3 and pool["ray_actor_options"] == {"num_cpus": 0}
