@@ -18,8 +18,6 @@ import gc
 import json
 import logging
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +34,9 @@ from transformers.generation.streamers import BaseStreamer
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
+
+from machine import loadavg  # noqa: E402  (bench/machine.py, next to this script)
+from machine import machine_info as base_machine_info  # noqa: E402
 
 from serve_app.engine import LLM, SamplingParams  # noqa: E402
 from serve_app.models.demo import ensure_demo_model  # noqa: E402
@@ -115,39 +116,10 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    info = {
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
-        "torch_num_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
+    info = {**base_machine_info(), "torch_num_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
 
 
 # -- the systems --------------------------------------------------------------------------------

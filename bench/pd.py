@@ -19,15 +19,12 @@ import asyncio
 import datetime
 import json
 import math
-import os
-import platform
 import random
 import socket
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -35,6 +32,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
+
+from machine import loadavg  # noqa: E402  (bench/machine.py, next to this script)
+from machine import machine_info as base_machine_info  # noqa: E402
 
 from serve_app.app import build_app  # noqa: E402
 
@@ -80,37 +80,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def loadavg() -> list[float] | None:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
-
-
 def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    versions = {}
-    for name in ("torch", "ray", "transformers", "httpx"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        **versions,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
+    return base_machine_info(("torch", "ray", "transformers", "httpx"))
 
 
 # -- the application ----------------------------------------------------------------------------
