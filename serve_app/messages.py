@@ -165,3 +165,4 @@ class DecodeRequest:
     generator_state: Any = None
     first_text_held: bool = False
     output_limit: int = 0  # total output tokens including the first (PD token-count rule)
+    elapsed_s: float = 0.0  # the request's age when decode was asked (its e2eTimeout carries on)

@@ -44,6 +44,7 @@ async def pd_generate(
         generator_state=result.generator_state,
         first_text_held=result.first_text_held,
         output_limit=total_output_limit(limits, req.params.max_tokens),
+        elapsed_s=time.monotonic() - start,  # the e2eTimeout window carries on at decode
     )
     staged_ms = result.transfer.staged_ms
     result = None  # the ingress keeps no reference to the staged KV once decode has it

@@ -33,6 +33,7 @@ class GenerateRequest:
     # When the request reached the engine's owner; stamped by generate() if unset, so that time
     # spent in the inbox behind a long running step counts as queueing, not as prefill.
     arrival_time: float | None = None
+    e2e_start: float | None = None  # PD decode: when the e2eTimeout window began (prefill)
 
 
 class EngineError(RuntimeError):
@@ -139,6 +140,7 @@ class AsyncEngine:
             request.priority,
             request.deadline,
             arrival_time=request.arrival_time,
+            e2e_start=request.e2e_start,
         )
         imported.kv = None  # the engine holds it until it is in the pool; then nobody does
 

@@ -106,9 +106,10 @@ class LLMEngine:
         priority: int = 5,
         deadline: float | None = None,
         arrival_time: float | None = None,
+        e2e_start: float | None = None,
     ) -> None:
         """Continue a request another engine prefilled (PD decode). Raises ValueError like
-        add_request.
+        add_request. e2e_start: when the request's e2eTimeout window began (before prefill).
 
         The sequence starts as prompt + [first token] with the prompt's KV written into this
         pool, so the catch-up rule runs the first token next and samples the second; the first
@@ -140,6 +141,7 @@ class LLMEngine:
             request_id, prompt, params, output_limit, priority=priority, deadline=deadline
         )
         request.arrival_time = arrival_time or request.arrival_time
+        request.e2e_start = e2e_start
         # Timing of later tokens counts from the hand-off, not from an arrival here.
         request.last_token_time = request.arrival_time
         request.seqs.append(seq)
@@ -236,7 +238,7 @@ class LLMEngine:
             last = request.last_token_time or request.arrival_time
             if (
                 (request.deadline is not None and now >= request.deadline)
-                or now - request.arrival_time >= cfg.e2e_timeout_s
+                or now - (request.e2e_start or request.arrival_time) >= cfg.e2e_timeout_s
                 or now - last >= cfg.token_timeout_s
             ):
                 expired.append(self.abort(request.request_id, FinishReason.TIMEOUT))

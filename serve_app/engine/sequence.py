@@ -86,6 +86,9 @@ class Request:
     max_output_tokens: int  # min(maxIterTimes, max_tokens), the output limit before maxSeqLen
     priority: int = 5  # 1 highest .. 5 lowest
     arrival_time: float = field(default_factory=time.monotonic)
+    # Start of the e2eTimeout window when the request began elsewhere (a PD decode continues a
+    # prefill that already used part of it); None: the arrival here.
+    e2e_start: float | None = None
     deadline: float | None = None  # monotonic time after which the request times out
     seqs: list[Sequence] = field(default_factory=list)  # live sequences
     finished_seqs: list[Sequence] = field(default_factory=list)

@@ -191,6 +191,7 @@ class ModelReplica:
         processor = OutputProcessor(r, self.tokenizer, first_token_id=req.first_token_id)
         start = time.monotonic()
         deadline = _deadline(r)  # the request's timeout covers the hand-off too
+        e2e_start = start - req.elapsed_s  # on this replica's clock
         kv, kv_bytes = None, 0
         if req.transfer is not None:
             fetch = self._connector_of(req.transfer.connector).fetch(req.transfer)
@@ -223,6 +224,7 @@ class ModelReplica:
             r.priority,
             deadline,
             imported=ImportedPrefill(req.first_token_id, kv, req.generator_state, limit),
+            e2e_start=e2e_start,
         )
         # The engine keeps the payload only until it is written into the pool; nothing here
         # should keep the host copy (or the object-store reference) alive for the whole decode.

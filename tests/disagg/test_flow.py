@@ -68,6 +68,7 @@ def test_explicit_max_tokens_and_remaining_timeout_reach_decode():
         req = backend.decode_request
         assert req.output_limit == 10
         assert 29.0 < req.request.timeout_s <= 30.0
+        assert 0.0 <= req.elapsed_s < 1.0  # the e2eTimeout window carries on at decode
 
     asyncio.run(run())
 

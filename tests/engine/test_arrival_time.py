@@ -47,3 +47,20 @@ def test_async_engine_stamps_arrival_when_the_request_is_handed_over(engine):
             async_engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_pd_decode_continues_the_requests_e2e_window(engine):
+    """A decode that imports a prefill started elsewhere times out when the request's e2eTimeout
+    window (begun before the prefill) runs out, not a full window after the hand-off."""
+    from serve_app.engine.params import FinishReason
+
+    began = time.monotonic() - CONFIG.e2e_timeout_s - 1.0
+    engine.add_imported_request(
+        "pd-old", [1, 2, 3], 4, SamplingParams(max_tokens=4, temperature=0), None,
+        output_limit=4, e2e_start=began,
+    )  # fmt: skip
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].finish_reason == FinishReason.TIMEOUT
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
