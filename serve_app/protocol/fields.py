@@ -9,8 +9,9 @@ string is never silently taken for a number or a boolean.
 from __future__ import annotations
 
 import math
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, ConfigDict
+from pydantic import AfterValidator, ConfigDict, PlainValidator, WithJsonSchema
 
 # Unknown fields are ignored (as vLLM and MindIE do); types are strict: "0.5" is not a float,
 # "true" is not a bool, 1.5 and true are not ints. Ints are accepted for floats.
@@ -18,6 +19,9 @@ STRICT = ConfigDict(extra="ignore", strict=True)
 
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
+# Seed 004: stop is a string of 1~32768 characters, or a list of non-empty strings whose total
+# is <= 32768 (32*1024). Triton's generate takes the same rule.
+MAX_STOP_CHARS = 32 * 1024
 
 
 def describe_range(
@@ -63,3 +67,36 @@ def Range(  # noqa: N802 - reads as a type annotation
         return value
 
     return AfterValidator(check)
+
+
+def stop_strings(value: Any) -> list[str] | None:
+    """Seed 004's stop rules, checked as one parameter (a pydantic union's errors would name
+    its branches, "stop.str" / "stop.list[str]"); the result is a list, None when empty."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not 1 <= len(value) <= MAX_STOP_CHARS:
+            raise ValueError(
+                f"must be a non-empty string (1 to {MAX_STOP_CHARS} characters) or a list of "
+                "non-empty strings"
+            )
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError("must be a string or a list of strings")
+    if not all(value):
+        raise ValueError("must be a list of non-empty strings")
+    if sum(len(s) for s in value) > MAX_STOP_CHARS:
+        raise ValueError(f"must have at most {MAX_STOP_CHARS} characters in all its strings")
+    return value or None
+
+
+STOP_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+            {"type": "array", "items": {"type": "string", "minLength": 1}},
+            {"type": "null"},
+        ]
+    }
+)
+Stop = Annotated[list[str] | None, PlainValidator(stop_strings), STOP_SCHEMA]

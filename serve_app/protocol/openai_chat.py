@@ -21,7 +21,7 @@ from serve_app.messages import (
     TokenizeRequest,
     TokenLogprobText,
 )
-from serve_app.protocol.fields import STRICT, Range
+from serve_app.protocol.fields import STRICT, Range, Stop
 from serve_app.protocol.openai_common import (
     MaxTokens,
     ModelName,
@@ -30,7 +30,6 @@ from serve_app.protocol.openai_common import (
     Priority,
     RepetitionPenalty,
     Seed,
-    Stop,
     StreamOptions,
     TopK,
     invalid,

@@ -1,7 +1,7 @@
-"""What the two OpenAI-shaped routes (chat, completions) share: field types, stop strings, the
-PD-mode refusals, usage, and the in-stream error event.
+"""What the two OpenAI-shaped routes (chat, completions) share: field types, the PD-mode
+refusals, usage, and the in-stream error event (stop strings: `fields.Stop`, shared with Triton).
 
-Union-typed fields (`stop`, a completion `prompt`, a chat message's `content`) are validated by
+Union-typed fields (a completion `prompt`, a chat message's `content`) are validated by
 one plain function each instead of a pydantic union: a union's errors name internal branches
 ("stop.str", "stop.list[str]"), while a client needs "stop must be ..., got ...".
 """
@@ -17,8 +17,6 @@ from serve_app.disagg.rules import refuse_unsupported
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
 
-# Seed 004: "List[string] ... total <= 32768 (32*1024)"; "string: 1~32768".
-MAX_STOP_CHARS = 32 * 1024
 _MODEL_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 MODEL_NAME_RULE = (
     "must be 1 to 256 letters, digits, '.', '-' or '_', not starting or ending with '.', '-' or '_'"
@@ -31,37 +29,11 @@ def _model_name(value: Any) -> str:
     return value
 
 
-def _stop(value: Any) -> list[str] | None:
-    """Seed 004's stop rules; the result is a list (an empty list means no stop strings)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if not 1 <= len(value) <= MAX_STOP_CHARS:
-            raise ValueError(f"must be a string of 1 to {MAX_STOP_CHARS} characters")
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise ValueError("must be a string or a list of non-empty strings")
-    if sum(len(s) for s in value) > MAX_STOP_CHARS:
-        raise ValueError(f"must have at most {MAX_STOP_CHARS} characters in all its strings")
-    return value or None
-
-
-_STOP_SCHEMA = {
-    "anyOf": [
-        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
-        {"type": "array", "items": {"type": "string", "minLength": 1}},
-        {"type": "null"},
-    ]
-}
-
 ModelName = Annotated[
     str,
     PlainValidator(_model_name),
     WithJsonSchema({"type": "string", "maxLength": 256, "pattern": f"^{_MODEL_NAME.pattern}$"}),
 ]
-Stop = Annotated[
-    list[str] | None, PlainValidator(_stop), WithJsonSchema(_STOP_SCHEMA)
-]  # fmt: skip
 Penalty = Annotated[float | None, Range(-2.0, 2.0)]
 RepetitionPenalty = Annotated[float | None, Range(0.0, 2.0, low_open=True)]
 Seed = Annotated[int | None, Range(0, UINT64_MAX, low_open=True)]

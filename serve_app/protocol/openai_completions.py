@@ -22,7 +22,7 @@ from serve_app.messages import (
     TokenizeRequest,
 )
 from serve_app.protocol import openai_common as common
-from serve_app.protocol.fields import STRICT, Range
+from serve_app.protocol.fields import STRICT, Range, Stop
 from serve_app.protocol.sampling import openai_finish, sampling_params
 from serve_app.tokenizer.limits import TokenLimits
 
@@ -70,7 +70,7 @@ class CompletionRequest(BaseModel):
         None, description="(0, 2147483647]; at most maxIterTimes tokens come out."
     )
     seed: common.Seed = Field(None, description="(0, 18446744073709551615]; absent: random.")
-    stop: common.Stop = Field(None, description="A string (1..32768) or a list of strings.")
+    stop: Stop = Field(None, description="A string (1..32768) or a list of strings.")
     stream: bool | None = Field(False, description="Server-sent events, ending in [DONE].")
     stream_options: common.StreamOptions | None = Field(
         None, description="Accepted; usage is always on the final chunk (MindIE)."

@@ -21,16 +21,27 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, PlainValidator
 
 from serve_app.messages import ReplicaChunk, StepInfo
 from serve_app.protocol.errors import APIError
-from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
+from serve_app.protocol.fields import (
+    INT32_MAX,
+    STOP_SCHEMA,
+    STRICT,
+    UINT64_MAX,
+    Range,
+    stop_strings,
+)
 from serve_app.protocol.sampling import mindie_finish
 from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"  # MINDIE.md; stopInfer uses the same rule
-MAX_STOP_CHARS = 32 * 1024
+
+
+def _checked_stop(value: object) -> object:
+    stop_strings(value)  # seed 004's rule, shared with the OpenAI routes; the value is kept
+    return value
 
 
 class GenerateParameters(BaseModel):
@@ -76,29 +87,13 @@ class GenerateParameters(BaseModel):
     timeout: Annotated[float | None, Range(0, 3600, low_open=True)] = Field(
         None, description="(0, 3600] seconds, default 600."
     )
-    stop: str | list[str] | None = Field(
+    stop: Annotated[str | list[str] | None, PlainValidator(_checked_stop), STOP_SCHEMA] = Field(
         None, description="Stop strings: 1..32768 characters each, 32768 in all."
     )
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: object) -> object:
-        # Checked before pydantic's union validation, whose errors would name the union members
-        # ("parameters.stop.str ...; parameters.stop.list[str] ...") instead of the parameter.
-        if value is None:
-            return value
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise ValueError("must be a string or a list of strings")
-        if any(not s for s in items):
-            raise ValueError("must be a non-empty string or a list of non-empty strings")
-        if sum(len(s) for s in items) > MAX_STOP_CHARS:
-            raise ValueError(f"must have at most {MAX_STOP_CHARS} characters in all")
-        return value
-
     @property
     def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return stop_strings(self.stop) or []
 
     def output_tokens(self) -> int:
         """max_tokens or max_new_tokens (20 when neither): both may be given only if equal."""
