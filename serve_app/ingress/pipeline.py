@@ -124,16 +124,16 @@ class Pipeline:
             upstream = self.backend.generate(model, req)
         self.metrics.received.labels(model).inc()
         first_token_at, num_tokens, num_prompt, finished = None, 0, 0, False
-        outcome, next_chunk, stopped, num_chunks = "failed", None, None, 0
+        outcome, next_chunk, num_chunks = "failed", None, 0
+        # One waiter for the whole request: it stays pending across chunks until a stopInfer.
+        stopped = asyncio.ensure_future(stop_event.wait())
         try:
             while True:
                 next_chunk = asyncio.ensure_future(anext(upstream))
-                stopped = asyncio.ensure_future(stop_event.wait())
                 remaining = None if deadline is None else max(0.0, deadline - loop.time())
                 done, _ = await asyncio.wait(
                     {next_chunk, stopped}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
                 )
-                stopped.cancel()
                 if next_chunk not in done:
                     next_chunk.cancel()
                     with contextlib.suppress(BaseException):
@@ -171,8 +171,7 @@ class Pipeline:
                 if chunk.finished:
                     return
         finally:
-            if stopped is not None:
-                stopped.cancel()
+            stopped.cancel()
             if next_chunk is not None and not next_chunk.done():
                 next_chunk.cancel()  # the client went away mid-wait: the replica aborts
             if stop_key is not None:
