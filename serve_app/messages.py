@@ -97,6 +97,21 @@ class ChoiceDelta:
     num_output_tokens: int = 0  # output tokens of this choice so far (usage counts these)
     cumulative_logprob: float | None = None
 
+    def absorb(self, later: ChoiceDelta) -> None:
+        """Appends a later delta of the same choice: how a stream folds into one response."""
+        self.token_ids = self.token_ids + later.token_ids
+        self.text += later.text
+        if later.token_texts is not None:
+            self.token_texts = (self.token_texts or []) + later.token_texts
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
+        if later.stop_reason is not None:
+            self.stop_reason = later.stop_reason
+        self.num_output_tokens = max(self.num_output_tokens, later.num_output_tokens)
+        if later.cumulative_logprob is not None:
+            self.cumulative_logprob = later.cumulative_logprob
+
 
 @dataclass(slots=True)
 class StepInfo:

@@ -214,31 +214,8 @@ def merge_chunk(merged: ReplicaChunk, choices: dict[int, ChoiceDelta], chunk: Re
     merged.stats = chunk.stats or merged.stats
     merged.replica_id = chunk.replica_id or merged.replica_id
     for delta in chunk.choices:
-        acc = choices.get(delta.index)
-        if acc is None:
-            choices[delta.index] = ChoiceDelta(
-                index=delta.index,
-                token_ids=list(delta.token_ids),
-                text=delta.text,
-                token_texts=list(delta.token_texts) if delta.token_texts is not None else None,
-                logprobs=list(delta.logprobs) if delta.logprobs is not None else None,
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-                num_output_tokens=delta.num_output_tokens,
-                cumulative_logprob=delta.cumulative_logprob,
-            )
-            continue
-        acc.token_ids.extend(delta.token_ids)
-        acc.text += delta.text
-        if delta.token_texts is not None:
-            acc.token_texts = (acc.token_texts or []) + list(delta.token_texts)
-        if delta.logprobs is not None:
-            acc.logprobs = (acc.logprobs or []) + list(delta.logprobs)
-        acc.finish_reason = delta.finish_reason or acc.finish_reason
-        acc.stop_reason = delta.stop_reason if delta.stop_reason is not None else acc.stop_reason
-        acc.num_output_tokens = max(acc.num_output_tokens, delta.num_output_tokens)
-        if delta.cumulative_logprob is not None:
-            acc.cumulative_logprob = delta.cumulative_logprob
+        empty = ChoiceDelta(index=delta.index, token_ids=[], text="")
+        choices.setdefault(delta.index, empty).absorb(delta)
 
 
 def _stopped_chunk(req: ReplicaRequest) -> ReplicaChunk:

@@ -243,20 +243,8 @@ class OutputProcessor:
     # -- chunks -----------------------------------------------------------------------------
 
     def _fold(self, delta: ChoiceDelta) -> None:
-        folded = self._folded.get(delta.index)
-        if folded is None:
-            self._folded[delta.index] = delta
-            return
-        folded.token_ids += delta.token_ids
-        folded.text += delta.text
-        if folded.token_texts is not None and delta.token_texts is not None:
-            folded.token_texts += delta.token_texts
-        if folded.logprobs is not None and delta.logprobs is not None:
-            folded.logprobs += delta.logprobs
-        folded.finish_reason = delta.finish_reason or folded.finish_reason
-        folded.stop_reason = delta.stop_reason if delta.finish_reason else folded.stop_reason
-        folded.num_output_tokens = delta.num_output_tokens
-        folded.cumulative_logprob = delta.cumulative_logprob
+        empty = ChoiceDelta(index=delta.index, token_ids=[], text="")
+        self._folded.setdefault(delta.index, empty).absorb(delta)
 
     def _finish_chunk(self, chunk: ReplicaChunk) -> None:
         chunk.finished = True
