@@ -82,6 +82,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    @property
+    def is_running(self) -> bool:
+        """The step loop's thread is alive (a health check replaces a replica whose is not)."""
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()

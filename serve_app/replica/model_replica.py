@@ -81,8 +81,8 @@ class ModelReplica:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         app_config = config if isinstance(config, AppConfig) else load_config(config)
         server = app_config.ServerConfig  # kvConnector / kvLossPolicy unless given here
-        connector = connector or getattr(server, "kvConnector", "object_store")
-        kv_loss_policy = kv_loss_policy or getattr(server, "kvLossPolicy", "recompute")
+        connector = connector or server.kvConnector
+        kv_loss_policy = kv_loss_policy or server.kvLossPolicy
         if kv_loss_policy not in KV_LOSS_POLICIES:
             raise ValueError(f"kv_loss_policy must be one of {KV_LOSS_POLICIES}")
         self.role = role
@@ -146,13 +146,8 @@ class ModelReplica:
                 async for output in outputs:
                     if output.finished:
                         break
-        except RequestRejected as exc:
-            error = processor.error_chunk("rejected", str(exc))
-        except EngineError as exc:
-            error = processor.error_chunk("engine", str(exc))
         except Exception as exc:
-            logger.exception("prefill of %s failed in the replica", req.request_id)
-            error = processor.error_chunk("engine", f"replica error: {exc!r}")
+            error = _error_chunk(processor, exc, req.request_id)
         if error is None and (output is None or not output.finished):
             error = processor.error_chunk("engine", "the engine ended the prefill without output")
         if error is not None:
@@ -255,13 +250,8 @@ class ModelReplica:
                         final = chunk
                         break
                     yield chunk
-        except RequestRejected as exc:
-            final = processor.error_chunk("rejected", str(exc))
-        except EngineError as exc:
-            final = processor.error_chunk("engine", str(exc))
-        except Exception as exc:  # a bug here must not take the replica's stream down silently
-            logger.exception("request %s failed in the replica", request.request_id)
-            final = processor.error_chunk("engine", f"replica error: {exc!r}")
+        except Exception as exc:
+            final = _error_chunk(processor, exc, request.request_id)
         if final is None:
             final = processor.error_chunk("engine", "the engine ended the request without output")
         if handoff is not None:
@@ -290,8 +280,7 @@ class ModelReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop died must be replaced."""
-        thread = getattr(self.engine, "_thread", None)
-        if self.engine is None or thread is None or not thread.is_alive():
+        if self.engine is None or not self.engine.is_running:
             raise RuntimeError(f"replica {self.replica_id}: the engine loop thread is not running")
 
     async def device_info(self) -> dict:
@@ -313,6 +302,17 @@ class ModelReplica:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to report to
             pass
+
+
+def _error_chunk(processor: OutputProcessor, exc: Exception, request_id: str) -> ReplicaChunk:
+    """An engine failure as the request's final chunk: refused, failed, or a bug in the replica
+    (which must not take the stream down silently)."""
+    if isinstance(exc, RequestRejected):
+        return processor.error_chunk("rejected", str(exc))
+    if isinstance(exc, EngineError):
+        return processor.error_chunk("engine", str(exc))
+    logger.exception("request %s failed in the replica", request_id, exc_info=exc)
+    return processor.error_chunk("engine", f"replica error: {exc!r}")
 
 
 def _deadline(req: ReplicaRequest) -> float | None:
