@@ -8,15 +8,13 @@ after that an error is one SSE event in the same envelope.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from serve_app.ingress import sse
 from serve_app.ingress.app import pipeline_of
 from serve_app.ingress.pipeline import Pipeline
-from serve_app.messages import ReplicaChunk, ReplicaRequest, TokenizeRequest
+from serve_app.messages import ReplicaRequest, TokenizeRequest
 from serve_app.protocol import mindie
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.sampling import sampling_params
@@ -76,7 +74,7 @@ async def _infer(body: mindie.InferRequest, primary: str, p: Pipeline):
         raise _callback_timeout(exc) from None
     full_text = p.config.ServerConfig.fullTextEnabled
     events = mindie.InferStream(seed, with_details, full_text)
-    return sse.sse_response(_events(chunks, events))
+    return sse.sse_response(sse.rendered(chunks, events.payloads, "mindie"))
 
 
 def _callback_timeout(exc: APIError) -> APIError:
@@ -86,16 +84,3 @@ def _callback_timeout(exc: APIError) -> APIError:
     if exc.kind != "timeout" or exc.message.startswith(prefix):
         return exc
     return APIError("timeout", f"{prefix}: {exc.message}", exc.param or "timeout")
-
-
-async def _events(chunks: AsyncIterator[ReplicaChunk], stream: mindie.InferStream):
-    try:
-        async for chunk in chunks:
-            for payload in stream.payloads(chunk):
-                yield sse.event(payload)
-    except APIError as exc:  # after the 200: the error is the stream's last event
-        yield sse.event(exc.body("mindie"))
-    except Exception as exc:  # a bug must still end the stream in MindIE's envelope
-        yield sse.event(APIError("engine", f"internal error: {exc!r}").body("mindie"))
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]

@@ -11,8 +11,6 @@ followed by [DONE]. Errors are rendered as OpenAI error objects by the app (path
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 
 from fastapi import APIRouter, Depends
 
@@ -21,7 +19,6 @@ from serve_app.ingress.app import pipeline_of
 from serve_app.ingress.pipeline import Pipeline
 from serve_app.messages import ReplicaChunk
 from serve_app.protocol.openai_chat import ChatCompletionRequest, ChatStream, chat_response
-from serve_app.protocol.openai_common import error_payload
 from serve_app.protocol.openai_completions import (
     CompletionRequest,
     CompletionStream,
@@ -47,7 +44,7 @@ async def chat_completions(body: ChatCompletionRequest, p: Pipeline = Depends(pi
     stream = ChatStream(
         request_id, created, model, prompt.num_prompt_tokens, logprobs, body.include_usage
     )
-    return sse.sse_response(_events(chunks, stream.events))
+    return sse.sse_response(sse.rendered(chunks, stream.events, "openai", done=True))
 
 
 @router.post("/v1/completions")
@@ -69,20 +66,8 @@ async def completions(body: CompletionRequest, p: Pipeline = Depends(pipeline_of
         return whole(await p.collect(model, req))
     chunks = await sse.peek(p.generate(model, req))
     if body.fake_stream:  # the replica sends one final chunk (req.stream is False)
-        return sse.sse_response(_events(chunks, lambda chunk: [whole(chunk)]))
+        return sse.sse_response(
+            sse.rendered(chunks, lambda chunk: [whole(chunk)], "openai", done=True)
+        )
     stream = CompletionStream(request_id, created, model, prompt.num_prompt_tokens, logprobs)
-    return sse.sse_response(_events(chunks, stream.events))
-
-
-async def _events(
-    chunks: AsyncIterator[ReplicaChunk], render: Callable[[ReplicaChunk], list[dict]]
-) -> AsyncIterator[str]:
-    """SSE text for the rendered chunks, then [DONE]; a failure mid-stream is an error event."""
-    try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                for payload in render(chunk):
-                    yield sse.event(payload)
-    except Exception as exc:  # the 200 is sent: the error can only travel in the stream
-        yield sse.event(error_payload(exc))
-    yield sse.DONE
+    return sse.sse_response(sse.rendered(chunks, stream.events, "openai", done=True))

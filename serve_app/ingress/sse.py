@@ -8,11 +8,13 @@ has really started answers 200 (Ray Serve LLM does the same).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 
 from serve_app.messages import ReplicaChunk
+from serve_app.protocol.errors import APIError, Family
 
 DONE = "data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"
@@ -46,3 +48,24 @@ def sse_response(events: AsyncIterator[str], headers: dict | None = None) -> Str
         media_type=MEDIA_TYPE,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
     )
+
+
+async def rendered(
+    chunks: AsyncIterator[ReplicaChunk],
+    render: Callable[[ReplicaChunk], list[dict]],
+    family: Family,
+    done: bool = False,
+) -> AsyncIterator[str]:
+    """SSE text of each chunk's rendered payloads. A failure after the 200 can only travel in
+    the stream: it is the last event, in the family's error envelope (then `[DONE]` if the
+    family ends streams with it)."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                for payload in render(chunk):
+                    yield event(payload)
+    except Exception as exc:  # a bug, too, must end the stream in the family's envelope
+        error = exc if isinstance(exc, APIError) else APIError("engine", f"internal error: {exc!r}")
+        yield event(error.body(family))
+    if done:
+        yield DONE

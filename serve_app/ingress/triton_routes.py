@@ -10,8 +10,6 @@ stop_sequence and frees its KV blocks.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
@@ -19,7 +17,7 @@ from serve_app.disagg.rules import refuse_unsupported
 from serve_app.ingress import sse
 from serve_app.ingress.app import pipeline_of
 from serve_app.ingress.pipeline import Pipeline
-from serve_app.messages import ReplicaChunk, ReplicaRequest, TokenizeRequest
+from serve_app.messages import ReplicaRequest, TokenizeRequest
 from serve_app.protocol import triton
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.sampling import sampling_params
@@ -97,18 +95,5 @@ async def _generate(
         chunk = await p.collect(model, req, stop_key=body.id)
         return JSONResponse(triton.generate_response(head, chunk, with_details))
     chunks = await sse.peek(p.generate(model, req, stop_key=body.id))
-    return sse.sse_response(_events(chunks, triton.GenerateStream(head, with_details)))
-
-
-async def _events(chunks: AsyncIterator[ReplicaChunk], stream: triton.GenerateStream):
-    try:
-        async for chunk in chunks:
-            payload = stream.payload(chunk)
-            if payload is not None:
-                yield sse.event(payload)
-    except APIError as exc:  # after the 200: the error is the stream's last event
-        yield sse.event(exc.body("triton"))
-    except Exception as exc:  # a bug must still end the stream in Triton's envelope
-        yield sse.event(APIError("engine", f"internal error: {exc!r}").body("triton"))
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
+    events = triton.GenerateStream(head, with_details)
+    return sse.sse_response(sse.rendered(chunks, events.payloads, "triton"))

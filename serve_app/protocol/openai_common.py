@@ -74,10 +74,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def error_payload(exc: BaseException) -> dict:
-    """An error after a stream has started (status 200 already sent): one event with the
-    OpenAI error object, then [DONE]."""
-    error = exc if isinstance(exc, APIError) else APIError("engine", f"internal error: {exc!r}")
-    return error.body("openai")

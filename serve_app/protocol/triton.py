@@ -167,6 +167,10 @@ class GenerateStream:
         self.steps: list[StepInfo] = []
         self.num_tokens = 0
 
+    def payloads(self, chunk: ReplicaChunk) -> list[dict]:
+        event = self.payload(chunk)
+        return [] if event is None else [event]
+
     def payload(self, chunk: ReplicaChunk) -> dict | None:
         choice = chunk.choices[0] if chunk.choices else None
         self.steps.extend(chunk.steps)
