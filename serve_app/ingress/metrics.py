@@ -105,6 +105,9 @@ class Metrics:
             replica = str(stats.get("replica_id", ""))
             self._replica_stats.setdefault(model, {})[replica] = (time.monotonic(), stats)
 
+    def models(self) -> list[str]:
+        return list(self._replica_stats)
+
     def live_stats(self, model: str) -> list[dict]:
         now = time.monotonic()
         return [s for t, s in self._replica_stats.get(model, {}).values() if now - t < _STALE_S]
@@ -121,43 +124,46 @@ class _EngineCollector:
         return []
 
     def collect(self):
-        gauges = {
-            "num_requests_running": ("Requests in the running batch.", "num_running", sum),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", "num_waiting", sum),
-            "num_requests_swapped": ("Requests swapped to host memory.", "num_swapped", sum),
-            "npu_cache_usage_perc": ("KV cache usage, 0..1.", "kv_usage", _mean),
-            "npu_prefix_cache_hit_rate": ("Prefix cache hit rate, 0..1.", "hit_rate", _mean),
-        }
-        families = {
-            name: GaugeMetricFamily(name, doc, labels=["model_name"])
-            for name, (doc, _, _) in gauges.items()
-        }
-        preemptions = CounterMetricFamily(
-            "num_preemptions", "Preemptions (recompute) so far.", labels=["model_name"]
-        )
-        for model in list(self.metrics._replica_stats):
+        families = [
+            (metric_type(name, doc, labels=["model_name"]), value, combine)
+            for metric_type, name, doc, value, combine in _ENGINE_METRICS
+        ]
+        for model in self.metrics.models():
             stats = self.metrics.live_stats(model)
-            for s in stats:
-                queries = s.get("prefix_cache_queries") or 0
-                s.setdefault(
-                    "hit_rate", (s.get("prefix_cache_hits") or 0) / queries if queries else 0.0
-                )
-            for name, (_, key, combine) in gauges.items():
-                families[name].add_metric([model], combine([float(s.get(key, 0)) for s in stats]))
-            preemptions.add_metric([model], sum(float(s.get("num_preemptions", 0)) for s in stats))
-        lost = CounterMetricFamily(
-            "kv_lost",
-            "PD hand-offs whose KV never reached the decode replica (then recomputed or failed, "
-            "per kvLossPolicy).",
-            labels=["model_name"],
-        )
-        for model in list(self.metrics._replica_stats):
-            stats = self.metrics.live_stats(model)
-            lost.add_metric([model], sum(float(s.get("num_kv_lost", 0)) for s in stats))
-        yield from families.values()
-        yield preemptions
-        yield lost
+            for family, value, combine in families:
+                family.add_metric([model], combine([float(value(s)) for s in stats]))
+        for family, _, _ in families:
+            yield family
+
+
+def _hit_rate(stats: dict) -> float:
+    queries = stats.get("prefix_cache_queries") or 0
+    return (stats.get("prefix_cache_hits") or 0) / queries if queries else 0.0
+
+
+def _key(name: str):
+    return lambda stats: stats.get(name, 0)
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+# (type, name, help, value of one replica's stats, how replicas combine): engine facts that each
+# replica reports in its stats; counters are the replicas' running totals, summed.
+_ENGINE_METRICS = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
+     _key("num_running"), sum),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.",
+     _key("num_waiting"), sum),
+    (GaugeMetricFamily, "num_requests_swapped", "Requests swapped to host memory.",
+     _key("num_swapped"), sum),
+    (GaugeMetricFamily, "npu_cache_usage_perc", "KV cache usage, 0..1.", _key("kv_usage"), _mean),
+    (GaugeMetricFamily, "npu_prefix_cache_hit_rate", "Prefix cache hit rate, 0..1.", _hit_rate,
+     _mean),
+    (CounterMetricFamily, "num_preemptions", "Preemptions (recompute) so far.",
+     _key("num_preemptions"), sum),
+    (CounterMetricFamily, "kv_lost",
+     "PD hand-offs whose KV never reached the decode replica (then recomputed or failed, per "
+     "kvLossPolicy).", _key("num_kv_lost"), sum),
+)  # fmt: skip
