@@ -5,8 +5,9 @@
     inferMode dmi:   └──► PrefillReplica ──(first token + KV)──► DecodeReplica  (per model)
 
 Deployment classes are plain; only this builder decorates and binds them. `args` is the config
-tree of serve_app/config.py (MindIE config.json names plus `Deployments` options); it is checked
-here, before anything starts, so a bad key fails `serve run` / `serve deploy` at once.
+tree of serve_app/config/ (MindIE config.json names plus `Deployments` options); it is validated
+here, once, before anything starts, so a bad key fails `serve run` / `serve deploy` at once, and
+every deployment gets the frozen `AppConfig` itself (docs/lifecycle.md).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import Any
 
 from serve_app.config import AppConfig, load_config
 
-_ROLE_NAMES = {"both": "ModelReplica", "prefill": "PrefillReplica", "decode": "DecodeReplica"}
+_ROLE_NAMES = {
+    "colocated": "ModelReplica", "prefill": "PrefillReplica", "decode": "DecodeReplica",
+}  # fmt: skip
 
 
-def replica_deployment_name(config: AppConfig, model_index: int, role: str = "both") -> str:
+def replica_deployment_name(config: AppConfig, model_index: int, role: str = "colocated") -> str:
     models = config.BackendConfig.ModelDeployConfig.ModelConfig
     base = _ROLE_NAMES[role]
     return base if len(models) == 1 else f"{base}-{models[model_index].modelName}"
@@ -36,12 +39,11 @@ def build_app(args: dict[str, Any] | None = None):
     )
     from serve_app.tokenizer.pool import TokenizerPool
 
-    config = load_config(dict(args or {}))
-    plain = config.model_dump(mode="json")  # crosses to the replicas; each re-validates it
+    config = load_config(dict(args or {}))  # the one validation; deployments get this object
     pool = serve.deployment(TokenizerPool, name="TokenizerPool", **tokenizer_pool_options(config))
-    # standard: one colocated replica deployment per model; dmi: a prefill and a decode
-    # deployment per model, each with its own replica count, resources and KV pool.
-    roles = ("prefill", "decode") if config.ServerConfig.inferMode == "dmi" else ("both",)
+    # inferMode standard: one colocated replica deployment per model; dmi: a prefill and a
+    # decode deployment per model, each with its own replica count, resources and KV pool.
+    roles = ("prefill", "decode") if config.pd_mode else ("colocated",)
     replicas: dict[str, dict] = {role: {} for role in roles}
     names = []
     for i, model in enumerate(config.BackendConfig.ModelDeployConfig.ModelConfig):
@@ -49,7 +51,7 @@ def build_app(args: dict[str, Any] | None = None):
             name = replica_deployment_name(config, i, role)
             options = model_replica_options(config, i, role=role)
             deployment = serve.deployment(ModelReplica, name=name, **options)
-            replicas[role][model.modelName] = deployment.bind(plain, i, role)
+            replicas[role][model.modelName] = deployment.bind(config, i, role)
             names.append(name)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", **ingress_options(config))
-    return ingress.bind(pool.bind(plain), replicas, plain, names)
+    return ingress.bind(pool.bind(config), replicas, config, names)

@@ -10,10 +10,35 @@ each API family renders them in its own envelope.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from serve_app.engine.params import SamplingParams
+from serve_app.engine.params import DEFAULT_PRIORITY, SamplingParams
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request failed: the one vocabulary from where a failure is known (tokenizer pool,
+    replica, pipeline, route) to the API family's renderer (`protocol/errors.py`), which turns
+    a kind into that family's status code and body."""
+
+    VALIDATION = "validation"  # a parameter outside its range, a prompt over its token limit
+    UNSUPPORTED = "unsupported"  # valid, but not served here (PD mode, non-text content)
+    NOT_FOUND = "not_found"  # unknown model, version, route or request id
+    REJECTED = "rejected"  # well-formed, but the engine can never run it (KV pool too small)
+    ENGINE = "engine"  # the engine or a replica failed while running it
+    TIMEOUT = "timeout"  # the request's timeout, tokenTimeout or e2eTimeout
+    UNAVAILABLE = "unavailable"  # the server is not ready
+    TOO_LARGE = "too_large"  # the body is over maxRequestLength
+
+
+def text_of(content: Any) -> str:
+    """A chat message's content as the model sees it: a string, or text parts joined with
+    newlines (as vLLM joins them; many chat templates render only string content)."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part["text"] for part in content)
+
 
 # -- tokenizer pool ---------------------------------------------------------------------------
 
@@ -50,7 +75,7 @@ class Rejection:
 
     param: str
     message: str
-    kind: Literal["validation", "too_long", "unknown_model", "engine", "unsupported"] = "validation"
+    kind: ErrorKind = ErrorKind.VALIDATION
 
 
 # -- model replica ----------------------------------------------------------------------------
@@ -61,7 +86,7 @@ class ReplicaRequest:
     request_id: str  # unique per ingress request; the engine's request id
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int = 5  # 1 highest .. 5 lowest
+    priority: int = DEFAULT_PRIORITY  # 1 highest .. 5 lowest
     timeout_s: float | None = None  # the request's own timeout; the replica sets the deadline
     stop: list[str] = field(default_factory=list)  # stop strings, matched exactly on the text
     include_stop_str_in_output: bool = False
@@ -131,7 +156,7 @@ class ReplicaChunk:
     finished: bool = False
     num_prompt_tokens: int = 0
     error: str | None = None  # set when the request failed; finished is then True
-    error_kind: Literal["rejected", "engine", "timeout"] | None = None
+    error_kind: ErrorKind | None = None
     stats: dict | None = None  # the replica's engine stats, on the final chunk
     replica_id: str = ""
     # PD: the prefill's chunk carries kv_bytes; a decode replica's first chunk carries the
@@ -179,5 +204,5 @@ class DecodeRequest:
     transfer: KVTransfer | None  # None: recompute the prompt locally
     generator_state: Any = None
     first_text_held: bool = False
-    output_limit: int = 0  # total output tokens including the first (PD token-count rule)
+    max_output_tokens: int = 0  # output tokens in all, the first included (the PD count rule)
     elapsed_s: float = 0.0  # the request's age when decode was asked (its e2eTimeout carries on)

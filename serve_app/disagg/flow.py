@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from serve_app.disagg.rules import total_output_limit
 from serve_app.messages import DecodeRequest, ReplicaChunk, ReplicaRequest
 from serve_app.tokenizer.limits import TokenLimits
 
@@ -43,7 +42,7 @@ async def pd_generate(
         transfer=result.transfer,
         generator_state=result.generator_state,
         first_text_held=result.first_text_held,
-        output_limit=total_output_limit(limits, req.params.max_tokens),
+        max_output_tokens=limits.pd_total_tokens(req.params.max_tokens),
         elapsed_s=time.monotonic() - start,  # the e2eTimeout window carries on at decode
     )
     staged_ms = result.transfer.staged_ms

@@ -1,22 +1,51 @@
-"""Frozen engine configuration: the only settings the engine reads.
+"""Frozen engine configuration: the only settings the engine reads, and the one home of their
+defaults, choices and cross rules.
 
-Built once from the pydantic app config (`serve_app.config`) or from keyword overrides given to
-`LLM(...)`. Overrides accept our snake_case names and the MindIE config.json names (camelCase),
-so `LLM(model="demo", maxIterTimes=64)` reads like a MindIE config.
+Two ways in, each validated once: the served app's pydantic config (`serve_app.config`) takes
+its defaults, dtype/device choices and cross rules from here and checks them while it loads
+(then `AppConfig.engine_config()` builds this object unchecked); `LLM(...)` builds it from
+keyword overrides with `from_overrides`, which checks the same rules. Overrides accept our
+snake_case names and MindIE's config.json names, so `LLM(model="demo", maxIterTimes=64)` reads
+like a MindIE config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: the checkpoint's torch_dtype
+DEVICES = ("auto", "npu", "cuda", "cpu")  # auto: npu if present, else cuda, else cpu
+
+# Rules between settings, by MindIE name: (key, relation, other key).
+CROSS_RULES = (
+    ("maxPrefillTokens", ">=", "maxInputTokenLen"),  # the longest prompt fits one prefill step
+    ("maxIterTimes", "<=", "maxSeqLen"),  # the output fits the sequence
+    ("maxPrefillBatchSize", "<=", "maxBatchSize"),  # a prefill step is a batch
+)
+_RELATIONS = {">=": operator.ge, "<=": operator.le}
+# Settings that count something, so must be at least 1 (the pydantic config states the same
+# bounds on its fields, where they also document the schema).
+_COUNTS = (
+    "maxSeqLen",
+    "maxInputTokenLen",
+    "maxIterTimes",
+    "maxBatchSize",
+    "maxPrefillBatchSize",
+    "maxPrefillTokens",
+    "cacheBlockSize",
+)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "demo"  # modelWeightPath: a folder of HF weights, or "demo" / "demo-tiny"
     model_name: str = "demo"
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    device: str = "auto"  # auto | npu | cuda | cpu
+    dtype: str = "auto"  # one of DTYPES
+    device: str = "auto"  # one of DEVICES
     max_seq_len: int = 2560
     max_input_token_len: int = 2048
     truncation: bool = False
@@ -41,7 +70,7 @@ class EngineConfig:
 
     @classmethod
     def from_overrides(cls, model: str = "demo", **overrides) -> EngineConfig:
-        """Build from keyword overrides; MindIE names are accepted as aliases."""
+        """Build from keyword overrides and check the rules; MindIE names are accepted."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values: dict = {"model": model}
         for key, value in overrides.items():
@@ -54,37 +83,39 @@ class EngineConfig:
         return config
 
     def check(self) -> None:
-        """The MindIE load-time cross checks, raised as ValueError naming the keys."""
-        positive = {
-            "maxSeqLen": self.max_seq_len,
-            "maxInputTokenLen": self.max_input_token_len,
-            "maxIterTimes": self.max_iter_times,
-            "maxBatchSize": self.max_batch_size,
-            "maxPrefillBatchSize": self.max_prefill_batch_size,
-            "maxPrefillTokens": self.max_prefill_tokens,
-            "cacheBlockSize": self.block_size,
-        }
-        for key, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if self.max_prefill_tokens < self.max_input_token_len:
-            raise ValueError(
-                f"maxPrefillTokens ({self.max_prefill_tokens}) must be >= maxInputTokenLen "
-                f"({self.max_input_token_len})"
-            )
-        if self.max_iter_times > self.max_seq_len:
-            raise ValueError(
-                f"maxIterTimes ({self.max_iter_times}) must be <= maxSeqLen ({self.max_seq_len})"
-            )
-        if self.max_prefill_batch_size > self.max_batch_size:
-            raise ValueError(
-                f"maxPrefillBatchSize ({self.max_prefill_batch_size}) must be <= maxBatchSize "
-                f"({self.max_batch_size})"
-            )
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto|bfloat16|float16|float32, got {self.dtype!r}")
-        if self.device not in ("auto", "npu", "cuda", "cpu"):
-            raise ValueError(f"device must be auto|npu|cuda|cpu, got {self.device!r}")
+        """Raises ValueError naming the keys of the first broken rule."""
+        found = problems(self.by_mindie_name())
+        if found:
+            raise ValueError(found[0])
+
+    def by_mindie_name(self) -> dict[str, Any]:
+        values = {key: getattr(self, name) for key, name in MINDIE_ALIASES.items()}
+        return {**values, "dtype": self.dtype, "device": self.device}
+
+
+def problems(
+    values: Mapping[str, Any],
+    path: Callable[[str], str] = str,
+    rules: tuple[tuple[str, str, str], ...] = CROSS_RULES,
+) -> list[str]:
+    """Every broken rule among `values` (MindIE names; absent keys are not checked), worded
+    with `path(key)`, so the app config can name its dotted paths."""
+    found = [
+        f"{path(key)} must be >= 1, got {values[key]}"
+        for key in _COUNTS
+        if key in values and values[key] < 1
+    ]
+    for key, choices in (("dtype", DTYPES), ("device", DEVICES)):
+        if key in values and values[key] not in choices:
+            found.append(f"{path(key)} must be {'|'.join(choices)}, got {values[key]!r}")
+    for key, relation, other in rules:
+        if key in values and other in values:
+            if not _RELATIONS[relation](values[key], values[other]):
+                found.append(
+                    f"{path(key)} ({values[key]}) must be {relation} {path(other)} "
+                    f"({values[other]})"
+                )
+    return found
 
 
 # MindIE config.json key -> EngineConfig field.
@@ -103,4 +134,5 @@ MINDIE_ALIASES = {
     "enablePrefixCaching": "enable_prefix_caching",
     "tokenTimeout": "token_timeout_s",
     "e2eTimeout": "e2e_timeout_s",
+    "truncation": "truncation",
 }

@@ -10,6 +10,10 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+# Request priorities run from 1 (served first) to 5; a request that names none gets the lowest.
+HIGHEST_PRIORITY, LOWEST_PRIORITY = 1, 5
+DEFAULT_PRIORITY = LOWEST_PRIORITY
+
 
 class FinishReason(str, enum.Enum):
     """Why a sequence stopped; each API family maps these onto its own words."""

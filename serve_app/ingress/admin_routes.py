@@ -8,15 +8,14 @@ import contextlib
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, Field
 
-from serve_app.ingress.app import pipeline_of
 from serve_app.ingress.metrics import CONTENT_TYPE
-from serve_app.ingress.pipeline import Pipeline
+from serve_app.ingress.pipeline import Pipeline, pipeline_of
+from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError
-from serve_app.protocol.fields import STRICT
+from serve_app.protocol.fields import REQUEST_ID_PATTERN, STRICT
 
 router = APIRouter()
 _STATS_TIMEOUT_S = 2.0
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
 
 
 @router.get("/health", tags=["health"])
@@ -32,7 +31,7 @@ async def live() -> dict:
 @router.get("/v2/health/ready", tags=["health"])
 async def ready(p: Pipeline = Depends(pipeline_of)) -> dict:
     if not await p.backend.ready():
-        raise APIError("unavailable", "the model replicas are still loading")
+        raise APIError(ErrorKind.UNAVAILABLE, "the model replicas are still loading")
     return {"ready": True}
 
 
@@ -40,7 +39,7 @@ async def ready(p: Pipeline = Depends(pipeline_of)) -> dict:
 async def model_ready(model: str, p: Pipeline = Depends(pipeline_of)) -> dict:
     p.check_model(model)
     if not await p.backend.ready():
-        raise APIError("unavailable", f"model {model!r} is still loading")
+        raise APIError(ErrorKind.UNAVAILABLE, f"model {model!r} is still loading")
     return {"ready": True}
 
 
@@ -103,5 +102,5 @@ async def stop_infer(
     """Stops a running request by the `id` it was sent with; its KV blocks are freed."""
     p.check_model(model)
     if not p.stops.stop(body.id):
-        raise APIError("not_found", f"no running request has id {body.id!r}", "id")
+        raise APIError(ErrorKind.NOT_FOUND, f"no running request has id {body.id!r}", "id")
     return {"id": body.id}

@@ -12,14 +12,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.config import AppConfig
+from serve_app.ingress import admin_routes, mindie_routes, openai_routes, triton_routes
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.pipeline import Pipeline
+from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
+
+ROUTERS = (admin_routes.router, mindie_routes.router, openai_routes.router, triton_routes.router)
+_HTTP_KINDS = {404: ErrorKind.NOT_FOUND, 413: ErrorKind.TOO_LARGE, 503: ErrorKind.UNAVAILABLE}
 
 
 def create_app(config: AppConfig, backend: Backend) -> FastAPI:
-    from serve_app.ingress import admin_routes, mindie_routes, openai_routes, triton_routes
-
     app = FastAPI(
         title="serve_app",
         description=(
@@ -35,7 +38,7 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body:
             error = APIError(
-                "too_large",
+                ErrorKind.TOO_LARGE,
                 f"the request body has {int(length)} bytes; at most "
                 f"{config.ServerConfig.maxRequestLength} MB (ServerConfig.maxRequestLength)",
             )
@@ -50,13 +53,14 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):  # a bug: still the family's envelope
-        return _render(request, APIError("engine", f"internal error: {exc!r}"))
+        return _render(request, APIError(ErrorKind.ENGINE, f"internal error: {exc!r}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = {404: "not_found", 413: "too_large", 503: "unavailable"}.get(exc.status_code)
+        kind = _HTTP_KINDS.get(exc.status_code)
         if kind is None:  # 405 and the like: keep the status, use the family's body
-            body = APIError("validation", str(exc.detail)).body(family_for_path(request.url.path))
+            error = APIError(ErrorKind.VALIDATION, str(exc.detail))
+            body = error.body(family_for_path(request.url.path))
             return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
         return _render(request, APIError(kind, f"{exc.detail}: {request.url.path}"))
 
@@ -64,8 +68,8 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
     async def invalid(request: Request, exc: RequestValidationError):
         return _render(request, from_validation_errors(list(exc.errors())))
 
-    for module in (admin_routes, mindie_routes, openai_routes, triton_routes):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     return app
 
 
@@ -82,8 +86,3 @@ def _read_body_as_json(request: Request) -> None:
 def _render(request: Request, error: APIError) -> JSONResponse:
     family = family_for_path(request.url.path)
     return JSONResponse(error.body(family), status_code=error.status(family))
-
-
-def pipeline_of(request: Request) -> Pipeline:
-    """FastAPI dependency: the app's pipeline."""
-    return request.app.state.pipeline

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.config import load_config
+from serve_app.config import AppConfig
 from serve_app.ingress.app import create_app
 from serve_app.ingress.backend import RayBackend
 
@@ -18,16 +18,16 @@ class Ingress:
         self,
         tokenizer_pool: Any,
         replicas: dict[str, dict[str, Any]],
-        config: dict,
+        config: AppConfig,
         replica_deployments: list[str],
     ) -> None:
-        """replicas: role ("both", or "prefill" and "decode") -> model name -> handle."""
+        """replicas: role ("colocated", or "prefill" and "decode") -> model name -> handle."""
         from ray import serve
 
-        self.config = load_config(config)
+        self.config = config
         self.backend = RayBackend(
             tokenizer_pool,
-            replicas.get("both", {}),
+            replicas.get("colocated", {}),
             serve.get_replica_context().app_name,
             prefill=replicas.get("prefill"),
             decode=replicas.get("decode"),

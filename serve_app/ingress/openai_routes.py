@@ -1,11 +1,10 @@
-"""Routes of the OpenAI-shaped family: POST /v1/chat/completions (seed 002) and /v1/completions
-(seed 004).
+"""Routes of the OpenAI-shaped family: POST /v1/chat/completions and /v1/completions.
 
-Each route: validate (pydantic ranges, then the protocol's cross-rules and PD refusals, so bad
-input costs no model work), tokenize in the pool, then either collect the replica's chunks into
-one body or stream them as SSE. The stream's first chunk is peeked, so a request the engine
-refuses is still an HTTP error; an error after the 200 is one `data: {"error": ...}` event
-followed by [DONE]. Errors are rendered as OpenAI error objects by the app (path /v1/*).
+Each route: translate (the request's ranges, then its cross-rules and PD refusals, so bad input
+costs no model work; then the tokenizer pool), then either collect the replica's chunks into one
+body or stream them as SSE. The stream's first chunk is peeked, so a request the engine refuses
+is still an HTTP error; an error after the 200 is one `data: {"error": ...}` event followed by
+[DONE]. Errors are rendered as OpenAI error objects by the app (path /v1/*; docs/apis.md).
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import time
 from fastapi import APIRouter, Depends
 
 from serve_app.ingress import sse
-from serve_app.ingress.app import pipeline_of
-from serve_app.ingress.pipeline import Pipeline
+from serve_app.ingress.pipeline import Pipeline, pipeline_of
 from serve_app.messages import ReplicaChunk
 from serve_app.protocol.openai_chat import ChatCompletionRequest, ChatStream, chat_response
 from serve_app.protocol.openai_completions import (
@@ -30,37 +28,28 @@ router = APIRouter(tags=["openai"])
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, p: Pipeline = Depends(pipeline_of)):
-    """Chat with the model through its chat template (seed 002's request and response)."""
+    """Chat with the model through its chat template."""
     model = p.check_model(body.model)
-    body.check(p.pd_mode)
-    prompt = await p.tokenize(body.tokenize_request(model))
-    request_id = p.new_request_id("chatcmpl")
-    req = body.replica_request(request_id, prompt, p.limits)
-    created, logprobs = int(time.time()), bool(body.logprobs)
+    req, prompt = await p.translate(body, model, "chatcmpl")
+    created, logprobs, num_prompt = int(time.time()), bool(body.logprobs), prompt.num_prompt_tokens
     if not body.stream:
         chunk = await p.collect(model, req)
-        return chat_response(request_id, created, model, chunk, prompt.num_prompt_tokens, logprobs)
+        return chat_response(req.request_id, created, model, chunk, num_prompt, logprobs)
     chunks = await sse.peek(p.generate(model, req))
-    stream = ChatStream(
-        request_id, created, model, prompt.num_prompt_tokens, logprobs, body.include_usage
-    )
+    stream = ChatStream(req.request_id, created, model, num_prompt, logprobs, body.include_usage)
     return sse.sse_response(sse.rendered(chunks, stream.events, "openai", done=True))
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, p: Pipeline = Depends(pipeline_of)):
-    """Complete a prompt (seed 004's request and response; beam search streams as one event)."""
+    """Complete a prompt (beam search streams as one event)."""
     model = p.check_model(body.model)
-    body.check(p.pd_mode)
-    prompt = await p.tokenize(body.tokenize_request(model))
-    request_id = p.new_request_id("cmpl")
-    req = body.replica_request(request_id, prompt, p.limits)
-    created, logprobs = int(time.time()), body.logprobs is not None
+    req, prompt = await p.translate(body, model, "cmpl")
+    created, num_prompt = int(time.time()), prompt.num_prompt_tokens
+    logprobs = body.logprobs is not None
 
     def whole(chunk: ReplicaChunk) -> dict:
-        return completion_response(
-            request_id, created, model, chunk, prompt.num_prompt_tokens, logprobs
-        )
+        return completion_response(req.request_id, created, model, chunk, num_prompt, logprobs)
 
     if not body.stream:
         return whole(await p.collect(model, req))
@@ -69,5 +58,5 @@ async def completions(body: CompletionRequest, p: Pipeline = Depends(pipeline_of
         return sse.sse_response(
             sse.rendered(chunks, lambda chunk: [whole(chunk)], "openai", done=True)
         )
-    stream = CompletionStream(request_id, created, model, prompt.num_prompt_tokens, logprobs)
+    stream = CompletionStream(req.request_id, created, model, num_prompt, logprobs)
     return sse.sse_response(sse.rendered(chunks, stream.events, "openai", done=True))

@@ -1,6 +1,7 @@
 """One request's way through the graph, shared by every API family.
 
-`Pipeline.tokenize` asks the tokenizer pool for prompt ids (a rejection becomes an `APIError`);
+`Pipeline.translate` has a family's request check itself, asks the tokenizer pool for prompt ids
+(a rejection becomes an `APIError`) and builds the `ReplicaRequest` with the server's defaults;
 `Pipeline.generate` iterates the model replica's chunks while watching three ways to end early:
 the request's own `timeout`, a stopInfer for its id, and the client going away (the task is
 cancelled). Leaving early closes the replica stream, which aborts the request there and frees
@@ -15,6 +16,9 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import Request
 
 from serve_app.config import AppConfig
 from serve_app.disagg.flow import pd_generate
@@ -22,20 +26,37 @@ from serve_app.ingress.backend import Backend
 from serve_app.ingress.metrics import Metrics
 from serve_app.messages import (
     ChoiceDelta,
+    ErrorKind,
     Rejection,
     ReplicaChunk,
     ReplicaRequest,
     TokenizedPrompt,
     TokenizeRequest,
 )
-from serve_app.protocol.errors import APIError, from_rejection
-from serve_app.tokenizer.limits import TokenLimits
+from serve_app.protocol.defaults import ServerDefaults
+from serve_app.protocol.errors import APIError
 
 # The ingress's own timer is a backstop behind the engine's deadline for the same timeout, so
 # that a request stuck before the engine (queued at a busy replica) still ends.
 _BACKSTOP_S = 1.0
-_ERROR_KIND = {"timeout": "timeout", "rejected": "rejected", "engine": "engine"}
 _ids = itertools.count(1)
+
+
+class FamilyRequest(Protocol):
+    """What every API family's request model does to translate itself (protocol/)."""
+
+    def check(self, pd_mode: bool) -> None: ...
+
+    def tokenize_request(self, model: str) -> TokenizeRequest: ...
+
+    def replica_request(
+        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults, **route: Any
+    ) -> ReplicaRequest: ...
+
+
+def pipeline_of(request: Request) -> Pipeline:
+    """FastAPI dependency: the app's pipeline."""
+    return request.app.state.pipeline
 
 
 class StopRegistry:
@@ -66,19 +87,13 @@ class Pipeline:
     def __init__(self, config: AppConfig, backend: Backend) -> None:
         self.config = config
         self.backend = backend
-        deploy = config.BackendConfig.ModelDeployConfig
-        sched = config.BackendConfig.ScheduleConfig
-        self.model_names = [m.modelName for m in deploy.ModelConfig]
+        self.model_names = config.model_names
         self.default_model = self.model_names[0]
-        # Model-independent limits for the protocol layer (max_tokens defaults and ranges); the
+        # Model-independent limits for the protocol layer (output caps and defaults); the
         # tokenizer pool applies the full rules with each model's max_position_embeddings.
-        self.limits = TokenLimits(
-            max_seq_len=deploy.maxSeqLen,
-            max_input_token_len=deploy.maxInputTokenLen,
-            max_iter_times=sched.maxIterTimes,
-            truncation=deploy.truncation,
-        )
-        self.pd_mode = config.ServerConfig.inferMode == "dmi"
+        self.limits = config.token_limits()
+        self.pd_mode = config.pd_mode
+        self.defaults = ServerDefaults(self.limits, self.pd_mode)
         self.stops = StopRegistry()
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -104,8 +119,18 @@ class Pipeline:
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt:
         result = await self.backend.tokenize(req)
         if isinstance(result, Rejection):
-            raise from_rejection(result)
+            raise APIError.of(result)
         return result
+
+    async def translate(
+        self, body: FamilyRequest, model: str, id_prefix: str, **route: Any
+    ) -> tuple[ReplicaRequest, TokenizedPrompt]:
+        """A family's request as the replica request it becomes: its own checks (PD refusals
+        first), the prompt from the tokenizer pool, then the server's defaults filled in."""
+        body.check(self.pd_mode)
+        prompt = await self.tokenize(body.tokenize_request(model))
+        request_id = self.new_request_id(id_prefix)
+        return body.replica_request(request_id, prompt, self.defaults, **route), prompt
 
     # -- generation -------------------------------------------------------------------------
 
@@ -143,7 +168,7 @@ class Pipeline:
                         yield _stopped_chunk(req)
                         return
                     raise APIError(
-                        "timeout",
+                        ErrorKind.TIMEOUT,
                         f"Engine callback timeout: the request did not finish within its "
                         f"timeout of {req.timeout_s:g} s",
                         "timeout",
@@ -154,7 +179,7 @@ class Pipeline:
                     return
                 if chunk.error is not None:
                     self.metrics.update_stats(model, chunk.stats)
-                    raise APIError(_ERROR_KIND.get(chunk.error_kind or "", "engine"), chunk.error)
+                    raise APIError(chunk.error_kind or ErrorKind.ENGINE, chunk.error)
                 if self.pd_mode and num_chunks < 2:
                     observe = (self.metrics.observe_prefill, self.metrics.observe_first_decode)
                     observe[num_chunks](model, chunk)

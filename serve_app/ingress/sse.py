@@ -13,7 +13,7 @@ from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 
-from serve_app.messages import ReplicaChunk
+from serve_app.messages import ErrorKind, ReplicaChunk
 from serve_app.protocol.errors import APIError, Family
 
 DONE = "data: [DONE]\n\n"
@@ -65,7 +65,8 @@ async def rendered(
                 for payload in render(chunk):
                     yield event(payload)
     except Exception as exc:  # a bug, too, must end the stream in the family's envelope
-        error = exc if isinstance(exc, APIError) else APIError("engine", f"internal error: {exc!r}")
+        error = exc if isinstance(exc, APIError) else None
+        error = error or APIError(ErrorKind.ENGINE, f"internal error: {exc!r}")
         yield event(error.body(family))
     if done:
         yield DONE

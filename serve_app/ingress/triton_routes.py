@@ -1,11 +1,11 @@
-"""Triton's generate extension (seed 003): `/v2/models/{model}[/versions/{version}]/generate` and
+"""Triton's generate extension: `/v2/models/{model}[/versions/{version}]/generate` and
 `.../generate_stream`.
 
 Errors before generation are Triton's {"error": msg} (400 validation, 404 unknown model or
 version); generate_stream peeks the first chunk so those stay HTTP errors, and an error after
 the 200 is one SSE event {"error": msg}. A request with an `id` is registered for
 `POST /v2/models/{model}/stopInfer {"id"}` (admin_routes), which ends it with finish_reason
-stop_sequence and frees its KV blocks.
+stop_sequence and frees its KV blocks (docs/apis.md, "Triton generate").
 """
 
 from __future__ import annotations
@@ -13,22 +13,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from serve_app.disagg.rules import refuse_unsupported
 from serve_app.ingress import sse
-from serve_app.ingress.app import pipeline_of
-from serve_app.ingress.pipeline import Pipeline
-from serve_app.messages import ReplicaRequest, TokenizeRequest
+from serve_app.ingress.pipeline import Pipeline, pipeline_of
+from serve_app.messages import ErrorKind
 from serve_app.protocol import triton
 from serve_app.protocol.errors import APIError
-from serve_app.protocol.sampling import sampling_params
 
 router = APIRouter(tags=["triton"])
 MODEL_VERSIONS = ("1",)  # one version per served model (GET /v2/models/{model} says the same)
-_DEFAULT_PRIORITY = 5
-_DEFAULT_TIMEOUT_S = 600.0
 
 
-@router.post("/v2/models/{model}/generate", summary="Generate (Triton extension, seed 003)")
+@router.post("/v2/models/{model}/generate", summary="Generate (Triton extension)")
 async def generate(model: str, body: triton.GenerateRequest, p: Pipeline = Depends(pipeline_of)):
     return await _generate(p, model, None, body, stream=False)
 
@@ -40,7 +35,7 @@ async def generate_version(
     return await _generate(p, model, version, body, stream=False)
 
 
-@router.post("/v2/models/{model}/generate_stream", summary="Generate as SSE (seed 003)")
+@router.post("/v2/models/{model}/generate_stream", summary="Generate as SSE")
 async def generate_stream(
     model: str, body: triton.GenerateRequest, p: Pipeline = Depends(pipeline_of)
 ):
@@ -62,35 +57,13 @@ async def _generate(
     model = p.check_model(model)
     if version is not None and version not in MODEL_VERSIONS:
         raise APIError(
-            "not_found",
+            ErrorKind.NOT_FOUND,
             f"model {model!r} has no version {version!r}; versions: {', '.join(MODEL_VERSIONS)}",
             "version",
         )
-    params = body.params
-    refuse_unsupported(p.pd_mode, {"stop": bool(params.stop_list)})
-    max_tokens = p.limits.output_limit(params.output_tokens(), "parameters.max_tokens")
-    prompt = await p.tokenize(
-        TokenizeRequest(model=model, kind="text", text=body.text_input, param="text_input")
-    )
-    req = ReplicaRequest(
-        request_id=p.new_request_id("generate"),
-        prompt_token_ids=prompt.prompt_token_ids,
-        params=sampling_params(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            do_sample=params.do_sample,
-            seed=params.seed,
-            repetition_penalty=params.repetition_penalty,
-            max_tokens=max_tokens,
-        ),
-        priority=params.priority if params.priority is not None else _DEFAULT_PRIORITY,
-        timeout_s=float(params.timeout) if params.timeout is not None else _DEFAULT_TIMEOUT_S,
-        stop=params.stop_list,
-        stream=stream,
-    )
+    req, _ = await p.translate(body, model, "generate", stream=stream)
     head = triton.Head(body.id, model, version or MODEL_VERSIONS[0])
-    with_details = bool(params.details)
+    with_details = bool(body.params.details)
     if not stream:
         chunk = await p.collect(model, req, stop_key=body.id)
         return JSONResponse(triton.generate_response(head, chunk, with_details))

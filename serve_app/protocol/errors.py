@@ -1,113 +1,93 @@
-"""Errors as values with a kind, rendered in each API family's envelope in one place.
+"""Errors as values with an `ErrorKind`, rendered in each API family's envelope in one place.
 
-A handler raises `APIError(kind, message, param)`; the ingress's exception handler picks the
-family from the route (`family_for_path`) and renders status and body:
-
-| kind         | MindIE (error, error_type)          | OpenAI {"error": {...}} | Triton {"error"} |
-|--------------|-------------------------------------|-------------------------|------------------|
-| validation   | 422 Input Validation Error          | 400 BadRequestError     | 400              |
-| unsupported  | 422 Input Validation Error          | 400 BadRequestError     | 400              |
-| not_found    | 404 NotFoundError                   | 404 NotFoundError       | 404              |
-| rejected     | 424 Generation Error                | 400 BadRequestError     | 400              |
-| engine       | 500 Incomplete Generation           | 500 InternalServerError | 500              |
-| timeout      | 500 Incomplete Generation           | 500 InternalServerError | 500              |
-| unavailable  | 503 Service Unavailable             | 503 ServiceUnavailable  | 503              |
-| too_large    | 413 Payload Too Large               | 413 BadRequestError     | 413              |
+A failure is known somewhere (a pydantic range, a family's cross-rule, the tokenizer pool, the
+engine, a timer) and travels as a kind plus a message naming the parameter: as `APIError` inside
+the ingress, as `messages.Rejection` / `ReplicaChunk.error_kind` across handles. The ingress's
+exception handler picks the family from the route (`family_for_path`) and `APIError.status` /
+`APIError.body` render it; the table is `_ENVELOPES` below (docs/apis.md, "Errors").
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Literal
 
-Family = Literal["mindie", "openai", "triton"]
-Kind = Literal[
-    "validation", "unsupported", "not_found", "rejected", "engine", "timeout", "unavailable",
-    "too_large",
-]  # fmt: skip
+from serve_app.messages import ErrorKind, Rejection
+from serve_app.pydantic_errors import dotted, reword
 
-_STATUS: dict[str, tuple[int, int, int]] = {  # kind -> (mindie, openai, triton)
-    "validation": (422, 400, 400),
-    "unsupported": (422, 400, 400),
-    "not_found": (404, 404, 404),
-    "rejected": (424, 400, 400),
-    "engine": (500, 500, 500),
-    "timeout": (500, 500, 500),
-    "unavailable": (503, 503, 503),
-    "too_large": (413, 413, 413),
+Family = Literal["mindie", "openai", "triton"]
+K = ErrorKind
+
+
+@dataclass(frozen=True, slots=True)
+class _Envelope:
+    mindie: tuple[int, str]  # status, error_type
+    openai: tuple[int, str]  # status, error.type
+    triton: int  # status
+
+
+_ENVELOPES: dict[ErrorKind, _Envelope] = {
+    K.VALIDATION: _Envelope((422, "Input Validation Error"), (400, "BadRequestError"), 400),
+    K.UNSUPPORTED: _Envelope((422, "Input Validation Error"), (400, "BadRequestError"), 400),
+    K.NOT_FOUND: _Envelope((404, "NotFoundError"), (404, "NotFoundError"), 404),
+    K.REJECTED: _Envelope((424, "Generation Error"), (400, "BadRequestError"), 400),
+    K.ENGINE: _Envelope((500, "Incomplete Generation"), (500, "InternalServerError"), 500),
+    K.TIMEOUT: _Envelope((500, "Incomplete Generation"), (500, "InternalServerError"), 500),
+    K.UNAVAILABLE: _Envelope((503, "Service Unavailable"), (503, "ServiceUnavailableError"), 503),
+    K.TOO_LARGE: _Envelope((413, "Payload Too Large"), (413, "BadRequestError"), 413),
 }
-_MINDIE_TYPE = {
-    "validation": "Input Validation Error",
-    "unsupported": "Input Validation Error",
-    "not_found": "NotFoundError",
-    "rejected": "Generation Error",
-    "engine": "Incomplete Generation",
-    "timeout": "Incomplete Generation",
-    "unavailable": "Service Unavailable",
-    "too_large": "Payload Too Large",
-}
-_OPENAI_TYPE = {
-    "validation": "BadRequestError",
-    "unsupported": "BadRequestError",
-    "not_found": "NotFoundError",
-    "rejected": "BadRequestError",
-    "engine": "InternalServerError",
-    "timeout": "InternalServerError",
-    "unavailable": "ServiceUnavailableError",
-    "too_large": "BadRequestError",
-}
+# MindIE words every timeout as an engine callback timeout, whoever noticed it.
+_MINDIE_TIMEOUT = "Engine callback timeout"
 
 
 class APIError(Exception):
     """A request failed; `param` names the request field at fault (None when none is)."""
 
-    def __init__(self, kind: Kind, message: str, param: str | None = None) -> None:
+    def __init__(self, kind: ErrorKind | str, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind = ErrorKind(kind)
         self.message = message
         self.param = param
 
+    @classmethod
+    def of(cls, rejection: Rejection) -> APIError:
+        """A refusal that crossed a handle as a value (from the tokenizer pool)."""
+        return cls(rejection.kind, rejection.message, rejection.param)
+
     def status(self, family: Family) -> int:
-        mindie, openai, triton = _STATUS[self.kind]
-        return {"mindie": mindie, "openai": openai, "triton": triton}[family]
+        envelope = _ENVELOPES[self.kind]
+        if family == "triton":
+            return envelope.triton
+        return (envelope.mindie if family == "mindie" else envelope.openai)[0]
 
     def body(self, family: Family) -> dict:
+        envelope = _ENVELOPES[self.kind]
         if family == "mindie":
-            return {"error": self.message, "error_type": _MINDIE_TYPE[self.kind]}
+            message = self.message
+            if self.kind == K.TIMEOUT and not message.startswith(_MINDIE_TIMEOUT):
+                message = f"{_MINDIE_TIMEOUT}: {message}"
+            return {"error": message, "error_type": envelope.mindie[1]}
         if family == "openai":
-            return {
-                "error": {
-                    "message": self.message,
-                    "type": _OPENAI_TYPE[self.kind],
-                    "param": self.param,
-                    "code": self.status("openai"),
-                }
-            }
+            status, kind = envelope.openai
+            error = {"message": self.message, "type": kind, "param": self.param, "code": status}
+            return {"error": error}
         return {"error": self.message}
+
+
+def invalid(param: str, rule: str) -> APIError:
+    """A cross-rule broken: "<param> <rule>" naming the parameter."""
+    return APIError(K.VALIDATION, f"{param} {rule}", param)
 
 
 def family_for_path(path: str) -> Family:
     """Which envelope a route's errors use: /v1/* OpenAI, /v2/* Triton, the rest MindIE."""
     if path.startswith("/v1/"):
         return "openai"
-    # stopInfer and the readiness routes are MindIE management routes under /v2 (MINDIE.md)
+    # stopInfer and the readiness routes are MindIE management routes under /v2
     if path.startswith("/v2/") and path.endswith(("/generate", "/generate_stream")):
         return "triton"
     return "mindie"
-
-
-_REJECTION_KIND = {
-    "validation": "validation",
-    "too_long": "validation",
-    "unknown_model": "not_found",
-    "engine": "rejected",
-    "unsupported": "unsupported",
-}
-
-
-def from_rejection(rejection) -> APIError:
-    """A `messages.Rejection` from the tokenizer pool as an APIError."""
-    return APIError(_REJECTION_KIND[rejection.kind], rejection.message, rejection.param)
 
 
 def from_validation_errors(errors: list[dict], prefix_skip: tuple = ("body",)) -> APIError:
@@ -117,13 +97,13 @@ def from_validation_errors(errors: list[dict], prefix_skip: tuple = ("body",)) -
         loc = [str(p) for p in error.get("loc", ()) if p not in prefix_skip]
         if error.get("type") == "json_invalid":
             loc = []  # its location is a character offset, not a field
-        name = _dotted([p for p in loc if not _UNION_TAG.match(p)]) or "body"
+        name = dotted([p for p in loc if not _UNION_TAG.match(p)]) or "body"
         # the branches of a union (str | list[str]) fail one by one: one line per parameter
         reason = _describe(name, error).removeprefix(name + " ")
         if reason not in by_param.setdefault(name, []):
             by_param[name].append(reason)
     lines = [f"{name} {_join(reasons)}" for name, reasons in by_param.items()]
-    return APIError("validation", "; ".join(lines), next(iter(by_param), None))
+    return APIError(K.VALIDATION, "; ".join(lines), next(iter(by_param), None))
 
 
 def _join(reasons: list[str]) -> str:
@@ -139,13 +119,6 @@ def _join(reasons: list[str]) -> str:
 _UNION_TAG = re.compile(r"^([a-z-]+\[.*\]|str|int|float|bool|list|dict|none|constrained-str)$")
 
 
-def _dotted(parts: list[str]) -> str:
-    out = ""
-    for part in parts:
-        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
-    return out
-
-
 def _describe(name: str, error: dict) -> str:
     kind, ctx, got = error.get("type", ""), error.get("ctx") or {}, error.get("input")
     msg = str(error.get("msg", "is invalid"))
@@ -157,14 +130,7 @@ def _describe(name: str, error: dict) -> str:
         return "body must be a JSON object"
     if kind == "value_error":  # our range validators: "must be in (0.0, 2.0]"
         return f"{name} {msg.removeprefix('Value error, ')}, got {_show(got)}"
-    for words, sign in (
-        ("greater than or equal to", ">="),
-        ("less than or equal to", "<="),
-        ("greater than", ">"),
-        ("less than", "<"),
-    ):
-        msg = msg.replace(words, sign)
-    msg = msg.replace("Input should be", "must be").replace("Value should", "must")
+    msg = reword(msg)
     return f"{name} {msg[0].lower() + msg[1:] if msg else msg}, got {_show(got)}"
 
 

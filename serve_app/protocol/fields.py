@@ -17,6 +17,8 @@ from pydantic import AfterValidator, ConfigDict, PlainValidator, WithJsonSchema
 # "true" is not a bool, 1.5 and true are not ints. Ints are accepted for floats.
 STRICT = ConfigDict(extra="ignore", strict=True)
 
+# A client-chosen request id (Triton `id`, stopInfer's `id`): MindIE's rule.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
 # Seed 004: stop is a string of 1~32768 characters, or a list of non-empty strings whose total

@@ -18,14 +18,22 @@ Choices where the seed is silent or self-contradictory:
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
-from serve_app.messages import ChoiceDelta, ReplicaChunk, StepInfo
+from serve_app.messages import (
+    ChoiceDelta,
+    ReplicaChunk,
+    ReplicaRequest,
+    StepInfo,
+    TokenizedPrompt,
+    TokenizeRequest,
+)
+from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
-from serve_app.protocol.sampling import mindie_finish
+from serve_app.protocol.sampling import mindie_finish, sampling_params
 from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 
 # A server-drawn seed stays below 2^31 so that every client (and JSON in JavaScript) reads it.
@@ -70,9 +78,11 @@ class InferParameters(BaseModel):
 
 
 class InferRequest(BaseModel):
-    """Body of /infer (`inputs`) and /infer_token (`input_id`); each route takes either."""
+    """Body of /infer (`inputs`) and /infer_token (`input_id`); each route takes either, and
+    names its own field (`primary`) when neither is given."""
 
     model_config = STRICT
+    primary: ClassVar[str] = "inputs"
 
     inputs: str | None = Field(None, description="The prompt text (/infer).")
     input_id: list[int] | None = Field(
@@ -80,13 +90,15 @@ class InferRequest(BaseModel):
     )
     stream: bool | None = Field(None, description="true: SSE token events; default false.")
     parameters: InferParameters | None = Field(None, description="Post-processing parameters.")
+    _seed: int | None = PrivateAttr(None)
 
     @property
     def params(self) -> InferParameters:
         return self.parameters or InferParameters()
 
-    def prompt(self, primary: str) -> tuple[str, str | list[int]]:
+    def prompt(self, primary: str | None = None) -> tuple[str, str | list[int]]:
         """(param, value): which prompt field the request gives; exactly one is allowed."""
+        primary = primary or self.primary
         if self.inputs is not None and self.input_id is not None:
             raise APIError(
                 "validation", "Input conflict. Give either inputs or input_id, not both.", primary
@@ -99,9 +111,51 @@ class InferRequest(BaseModel):
         raise APIError("validation", f"{primary} is required (or {other})", primary)
 
     def seed(self) -> int:
-        """The request's seed, or one drawn now (reported back in details.seed)."""
-        seed = self.params.seed
-        return seed if seed is not None else secrets.randbelow(_SERVER_SEED_HIGH) + 1
+        """The request's seed, or one drawn once (reported back in details.seed)."""
+        if self._seed is None:
+            seed = self.params.seed
+            self._seed = seed if seed is not None else secrets.randbelow(_SERVER_SEED_HIGH) + 1
+        return self._seed
+
+    # -- translation ------------------------------------------------------------------------
+
+    def check(self, pd_mode: bool) -> None:
+        """The rules across fields; nothing of this API is refused in PD mode."""
+        self.prompt()
+
+    def tokenize_request(self, model: str) -> TokenizeRequest:
+        param, value = self.prompt()
+        if param == "inputs":
+            return TokenizeRequest(model=model, kind="text", text=value, param=param)  # type: ignore[arg-type]
+        return TokenizeRequest(model=model, kind="token_ids", token_ids=value, param=param)  # type: ignore[arg-type]
+
+    def replica_request(
+        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
+    ) -> ReplicaRequest:
+        params, stream = self.params, bool(self.stream)
+        return ReplicaRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.prompt_token_ids,
+            params=sampling_params(
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                do_sample=params.do_sample,
+                seed=self.seed(),
+                repetition_penalty=params.repetition_penalty,
+                max_tokens=defaults.limits.max_output_tokens(max_new_tokens(params)),
+            ),
+            priority=defaults.priority_of(params.priority),
+            timeout_s=defaults.timeout_of(params.timeout),
+            stream=stream,
+            token_texts=stream,
+        )
+
+
+class InferTokenRequest(InferRequest):
+    """Body of /infer_token: the same fields, `input_id` named when no prompt is given."""
+
+    primary: ClassVar[str] = "input_id"
 
 
 def max_new_tokens(params: InferParameters) -> int:

@@ -20,7 +20,10 @@ from serve_app.messages import (
     TokenizedPrompt,
     TokenizeRequest,
     TokenLogprobText,
+    text_of,
 )
+from serve_app.protocol.defaults import ServerDefaults
+from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import STRICT, Range, Stop
 from serve_app.protocol.openai_common import (
     MaxTokens,
@@ -32,13 +35,10 @@ from serve_app.protocol.openai_common import (
     Seed,
     StreamOptions,
     TopK,
-    invalid,
-    refuse_in_pd,
-    text_parts,
     usage,
 )
+from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import mindie_finish, sampling_params
-from serve_app.tokenizer.limits import TokenLimits
 
 MAX_MESSAGE_CHARS = 512 * 1024  # seed 002: 0 KB < characters of the messages <= 512 KB
 _CONTENT_RULE = "must be a non-empty string or a non-empty list of text parts"
@@ -57,7 +57,7 @@ def _content(value: Any) -> str | list[dict]:
             raise ValueError(f"{_CONTENT_RULE}; only text parts are supported, got a {kind!r} part")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{_CONTENT_RULE}: each part is {{'type': 'text', 'text': string}}")
-    if not text_parts(value):
+    if not text_of(value):
         raise ValueError(_CONTENT_RULE)
     return [{"type": "text", "text": part["text"]} for part in value]
 
@@ -137,7 +137,7 @@ class ChatCompletionRequest(BaseModel):
                 "top_logprobs": self.top_logprobs is not None,
             },
         )
-        chars = sum(len(text_parts(m.content)) for m in self.messages)
+        chars = sum(len(text_of(m.content)) for m in self.messages)
         if chars > MAX_MESSAGE_CHARS:
             raise invalid(
                 "messages",
@@ -158,7 +158,7 @@ class ChatCompletionRequest(BaseModel):
         return TokenizeRequest(model=model, kind="chat", messages=messages, param="messages")
 
     def replica_request(
-        self, request_id: str, prompt: TokenizedPrompt, limits: TokenLimits
+        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         params = sampling_params(
@@ -169,7 +169,7 @@ class ChatCompletionRequest(BaseModel):
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            max_tokens=limits.output_limit(max_tokens),
+            max_tokens=defaults.limits.max_output_tokens(max_tokens),
             n=self.n,
             ignore_eos=bool(self.ignore_eos),
             stop_token_ids=self.stop_token_ids,
@@ -179,7 +179,7 @@ class ChatCompletionRequest(BaseModel):
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,
             params=params,
-            priority=self.priority or 5,
+            priority=defaults.priority_of(self.priority),
             stop=self.stop or [],
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,

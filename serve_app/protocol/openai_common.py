@@ -1,5 +1,5 @@
-"""What the two OpenAI-shaped routes (chat, completions) share: field types, the PD-mode
-refusals, usage, and the in-stream error event (stop strings: `fields.Stop`, shared with Triton).
+"""What the two OpenAI-shaped routes (chat, completions) share: field types and usage (stop
+strings: `fields.Stop`, shared with Triton; PD refusals: `pd_refusals`).
 
 Union-typed fields (a completion `prompt`, a chat message's `content`) are validated by
 one plain function each instead of a pydantic union: a union's errors name internal branches
@@ -13,8 +13,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, PlainValidator, WithJsonSchema
 
-from serve_app.disagg.rules import refuse_unsupported
-from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -49,23 +47,6 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(
         False, description="Chat: one more chunk before [DONE] with empty choices and usage."
     )
-
-
-def text_parts(content: Any) -> str:
-    """The text of a message content (a string, or text parts joined as the tokenizer pool
-    joins them), for the 512 KB rule."""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part["text"] for part in content)
-
-
-def refuse_in_pd(pd_mode: bool, given: dict[str, bool]) -> None:
-    """inferMode dmi (PD separation) cannot run these (MINDIE.md): refuse before any work."""
-    refuse_unsupported(pd_mode, given)
-
-
-def invalid(param: str, message: str) -> APIError:
-    return APIError("validation", f"{param} {message}", param)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -22,9 +22,11 @@ from serve_app.messages import (
     TokenizeRequest,
 )
 from serve_app.protocol import openai_common as common
+from serve_app.protocol.defaults import ServerDefaults
+from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import STRICT, Range, Stop
+from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import openai_finish, sampling_params
-from serve_app.tokenizer.limits import TokenLimits
 
 MAX_PROMPT_CHARS = 4 * 1024 * 1024  # seed 004: 0 KB < characters <= 4 MB
 _PROMPT_RULE = (
@@ -94,7 +96,7 @@ class CompletionRequest(BaseModel):
     def check(self, pd_mode: bool) -> None:
         """The PD refusals first, then seed 004's cross-rules (400 naming the parameter)."""
         beam, n, best_of = bool(self.use_beam_search), self.n, self.best_of
-        common.refuse_in_pd(
+        refuse_in_pd(
             pd_mode,
             {
                 "stop": bool(self.stop),
@@ -106,22 +108,22 @@ class CompletionRequest(BaseModel):
             },
         )
         if beam and self.stop:
-            raise common.invalid("stop", "cannot be used with use_beam_search")
+            raise invalid("stop", "cannot be used with use_beam_search")
         # Seed 004: n > 1 needs temperature > 0, beam search or not; beam search only lifts
         # the checks on best_of ("将不会对best_of的取值进行校验").
         if (n or 1) > 1 and self.temperature == 0:
-            raise common.invalid("temperature", "must be > 0 when n > 1, got 0")
+            raise invalid("temperature", "must be > 0 when n > 1, got 0")
         if not beam:
             if (best_of or 1) > 1 and self.temperature == 0:
-                raise common.invalid("temperature", "must be > 0 when best_of > 1, got 0")
+                raise invalid("temperature", "must be > 0 when best_of > 1, got 0")
             if self.stream and best_of is not None and n is None:
-                raise common.invalid("best_of", "cannot be set without n when stream is true")
+                raise invalid("best_of", "cannot be set without n when stream is true")
             if self.stream and best_of is not None and best_of != n:
-                raise common.invalid(
+                raise invalid(
                     "best_of", f"must be equal to n ({n}) when stream is true, got {best_of}"
                 )
             if best_of is not None and n is not None and best_of < n:
-                raise common.invalid("best_of", f"must be >= n ({n}), got {best_of}")
+                raise invalid("best_of", f"must be >= n ({n}), got {best_of}")
 
     @property
     def fake_stream(self) -> bool:
@@ -134,7 +136,7 @@ class CompletionRequest(BaseModel):
         return TokenizeRequest(model=model, kind="completion", text=self.prompt)
 
     def replica_request(
-        self, request_id: str, prompt: TokenizedPrompt, limits: TokenLimits
+        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
         beam, n = bool(self.use_beam_search), self.n or 1
         # Beam search: best_of is not checked (seed 004); it widens the beam, never below n.
@@ -147,7 +149,7 @@ class CompletionRequest(BaseModel):
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            max_tokens=limits.output_limit(self.max_tokens),
+            max_tokens=defaults.limits.max_output_tokens(self.max_tokens),
             n=n,
             best_of=best_of,
             use_beam_search=beam,
@@ -159,7 +161,7 @@ class CompletionRequest(BaseModel):
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,
             params=params,
-            priority=self.priority or 5,
+            priority=defaults.priority_of(self.priority),
             stop=self.stop or [],
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,

@@ -23,20 +23,27 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, PlainValidator
 
-from serve_app.messages import ReplicaChunk, StepInfo
+from serve_app.messages import (
+    ReplicaChunk,
+    ReplicaRequest,
+    StepInfo,
+    TokenizedPrompt,
+    TokenizeRequest,
+)
+from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import (
     INT32_MAX,
+    REQUEST_ID_PATTERN,
     STOP_SCHEMA,
     STRICT,
     UINT64_MAX,
     Range,
     stop_strings,
 )
-from serve_app.protocol.sampling import mindie_finish
+from serve_app.protocol.pd_refusals import refuse_in_pd
+from serve_app.protocol.sampling import mindie_finish, sampling_params
 from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
-
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"  # MINDIE.md; stopInfer uses the same rule
 
 
 def _checked_stop(value: object) -> object:
@@ -125,6 +132,39 @@ class GenerateRequest(BaseModel):
     @property
     def params(self) -> GenerateParameters:
         return self.parameters or GenerateParameters()
+
+    # -- translation ------------------------------------------------------------------------
+
+    def check(self, pd_mode: bool) -> None:
+        """PD refusals first, then the rules across fields."""
+        refuse_in_pd(pd_mode, {"stop": bool(self.params.stop_list)})
+        self.params.output_tokens()
+
+    def tokenize_request(self, model: str) -> TokenizeRequest:
+        return TokenizeRequest(model=model, kind="text", text=self.text_input, param="text_input")
+
+    def replica_request(
+        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults, stream: bool
+    ) -> ReplicaRequest:
+        """stream: the route's (generate_stream), not parameters.stream."""
+        params = self.params
+        return ReplicaRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.prompt_token_ids,
+            params=sampling_params(
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                do_sample=params.do_sample,
+                seed=params.seed,
+                repetition_penalty=params.repetition_penalty,
+                max_tokens=defaults.limits.max_output_tokens(params.output_tokens()),
+            ),
+            priority=defaults.priority_of(params.priority),
+            timeout_s=defaults.timeout_of(params.timeout),
+            stop=params.stop_list,
+            stream=stream,
+        )
 
 
 class Head:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from serve_app.config import AppConfig, accelerator_env, load_config
+from serve_app.config import AppConfig, accelerator_env
 from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.engine.async_engine import (
     AsyncEngine,
@@ -31,16 +31,16 @@ from serve_app.engine.async_engine import (
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.messages import (
     DecodeRequest,
+    ErrorKind,
     PrefillResult,
     ReplicaChunk,
     ReplicaRequest,
 )
 from serve_app.replica.output_processor import OutputProcessor
-from serve_app.tokenizer.limits import TokenLimits
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("both", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode")
 KV_LOSS_POLICIES = ("recompute", "fail")
 
 
@@ -62,7 +62,7 @@ class _Handoff:
 
 
 class ModelReplica:
-    """role: "both" (colocated: `generate`), "prefill" (`prefill`: the first token and the
+    """role: "colocated" (`generate`), "prefill" (`prefill`: the first token and the
     prompt's KV) or "decode" (`decode`: continue after a prefill). Every role keeps `generate`.
     connector: how prefill stages the KV for decode (`serve_app.disagg.connector`).
     kv_loss_policy: what decode does when the KV cannot be fetched ("recompute" the prompt
@@ -71,15 +71,15 @@ class ModelReplica:
 
     def __init__(
         self,
-        config: AppConfig | dict | None = None,
+        config: AppConfig | None = None,
         model_index: int = 0,
-        role: str = "both",
+        role: str = "colocated",
         connector: str | None = None,
         kv_loss_policy: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        app_config = config if isinstance(config, AppConfig) else load_config(config)
+        app_config = config or AppConfig()  # validated once, by the builder
         server = app_config.ServerConfig  # kvConnector / kvLossPolicy unless given here
         connector = connector or server.kvConnector
         kv_loss_policy = kv_loss_policy or server.kvLossPolicy
@@ -90,7 +90,7 @@ class ModelReplica:
         self.kv_loss_policy = kv_loss_policy
         self.num_kv_lost = 0  # decode: hand-offs whose KV could not be fetched
         engine_config = app_config.engine_config(model_index)
-        self.limits = TokenLimits.from_engine_config(engine_config, None, None)
+        self.limits = app_config.token_limits()
         self.model_name = engine_config.model_name
         self.replica_id = uuid.uuid4().hex[:12]
         self.engine: AsyncEngine | None = None  # set last: __del__ may see a failed __init__
@@ -149,7 +149,9 @@ class ModelReplica:
         except Exception as exc:
             error = _error_chunk(processor, exc, req.request_id)
         if error is None and (output is None or not output.finished):
-            error = processor.error_chunk("engine", "the engine ended the prefill without output")
+            error = processor.error_chunk(
+                ErrorKind.ENGINE, "the engine ended the prefill without output"
+            )
         if error is not None:
             return PrefillResult(self._final(error))
         prompt_len = len(req.prompt_token_ids)
@@ -166,7 +168,7 @@ class ModelReplica:
         except Exception as exc:
             logger.exception("staging the KV of %s failed", req.request_id)
             message = f"staging the prompt's KV cache for decode failed: {exc!r}"
-            return PrefillResult(self._final(processor.error_chunk("engine", message)))
+            return PrefillResult(self._final(processor.error_chunk(ErrorKind.ENGINE, message)))
         chunk.kv_bytes = transfer.nbytes
         chunk.replica_id = self.replica_id
         return PrefillResult(chunk, transfer, output.generator_state, first_text_held=held)
@@ -198,7 +200,7 @@ class ModelReplica:
                 message = (
                     f"request timed out after {r.timeout_s:g} s (its timeout) in the KV hand-off"
                 )
-                yield self._final(processor.error_chunk("timeout", message))
+                yield self._final(processor.error_chunk(ErrorKind.TIMEOUT, message))
                 return
             except Exception as exc:  # ObjectLostError, OwnerDiedError, RayActorError
                 self.num_kv_lost += 1
@@ -207,11 +209,11 @@ class ModelReplica:
                         f"the prompt's KV cache could not be fetched from the prefill replica "
                         f"({exc!r}); kv_loss_policy is 'fail', so it is not recomputed"
                     )
-                    yield self._final(processor.error_chunk("engine", message))
+                    yield self._final(processor.error_chunk(ErrorKind.ENGINE, message))
                     return
                 logger.warning("KV of %s lost (%r): recomputing the prompt", r.request_id, exc)
         handoff = _Handoff((time.monotonic() - start) * 1e3, kv_bytes, recomputed=kv is None)
-        limit = req.output_limit or self.limits.pd_total_tokens(r.params.max_tokens)
+        limit = req.max_output_tokens or self.limits.pd_total_tokens(r.params.max_tokens)
         request = GenerateRequest(
             r.request_id,
             list(r.prompt_token_ids),
@@ -253,7 +255,8 @@ class ModelReplica:
         except Exception as exc:
             final = _error_chunk(processor, exc, request.request_id)
         if final is None:
-            final = processor.error_chunk("engine", "the engine ended the request without output")
+            message = "the engine ended the request without output"
+            final = processor.error_chunk(ErrorKind.ENGINE, message)
         if handoff is not None:
             handoff.stamp(final)
         yield self._final(final)
@@ -308,11 +311,11 @@ def _error_chunk(processor: OutputProcessor, exc: Exception, request_id: str) ->
     """An engine failure as the request's final chunk: refused, failed, or a bug in the replica
     (which must not take the stream down silently)."""
     if isinstance(exc, RequestRejected):
-        return processor.error_chunk("rejected", str(exc))
+        return processor.error_chunk(ErrorKind.REJECTED, str(exc))
     if isinstance(exc, EngineError):
-        return processor.error_chunk("engine", str(exc))
+        return processor.error_chunk(ErrorKind.ENGINE, str(exc))
     logger.exception("request %s failed in the replica", request_id, exc_info=exc)
-    return processor.error_chunk("engine", f"replica error: {exc!r}")
+    return processor.error_chunk(ErrorKind.ENGINE, f"replica error: {exc!r}")
 
 
 def _deadline(req: ReplicaRequest) -> float | None:

@@ -14,7 +14,7 @@ import glob
 from typing import Any
 
 from serve_app.config import AppConfig
-from serve_app.deployment_options import DeploymentOptions
+from serve_app.config.deployments import DeploymentOptions
 
 
 def detect_accelerator(cluster_resources: dict | None = None) -> str:
@@ -65,7 +65,7 @@ def model_replica_options(
     config: AppConfig,
     model_index: int = 0,
     cluster_resources: dict | None = None,
-    role: str = "both",
+    role: str = "colocated",
 ) -> dict[str, Any]:
     """Options of a model replica deployment; role prefill / decode (inferMode dmi) take their
     overrides from Deployments.Prefill / Deployments.Decode, the same defaults otherwise."""
@@ -87,7 +87,7 @@ def model_replica_options(
         "health_check_timeout_s": 60,
     }
     user = {
-        "both": config.Deployments.ModelReplica,
+        "colocated": config.Deployments.ModelReplica,
         "prefill": config.Deployments.Prefill,
         "decode": config.Deployments.Decode,
     }[role]

@@ -16,6 +16,7 @@ from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetric
 from serve_app.engine.params import FinishReason
 from serve_app.messages import (
     ChoiceDelta,
+    ErrorKind,
     ReplicaChunk,
     ReplicaRequest,
     StepInfo,
@@ -143,14 +144,14 @@ class OutputProcessor:
             return [output.metrics]
         return []
 
-    def error_chunk(self, kind: str, message: str) -> ReplicaChunk:
+    def error_chunk(self, kind: ErrorKind, message: str) -> ReplicaChunk:
         """The final chunk of a request the engine refused or failed."""
         return ReplicaChunk(
             self.req.request_id,
             finished=True,
             num_prompt_tokens=len(self.req.prompt_token_ids),
             error=message,
-            error_kind=kind,  # type: ignore[arg-type]
+            error_kind=kind,
         )
 
     # -- per choice -------------------------------------------------------------------------
@@ -250,7 +251,7 @@ class OutputProcessor:
         chunk.finished = True
         chunk.num_prompt_tokens = len(self.req.prompt_token_ids)
         if any(c.finish_reason == FinishReason.TIMEOUT.value for c in chunk.choices):
-            chunk.error_kind = "timeout"
+            chunk.error_kind = ErrorKind.TIMEOUT
             limit = self.req.timeout_s
             chunk.error = (
                 f"request timed out after {limit:g} s (its timeout)"

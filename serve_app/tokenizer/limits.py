@@ -21,7 +21,6 @@ PROMPT_TOKENS_CAP = 1 << 20  # the "1MB" term of the /v1/completions prompt rule
 # A MindIE client sends tokenizer output unchanged, so we accept [0, 2^20]; the vocabulary
 # bound (id < vocab_size) is stricter for every real model and is the one that binds.
 MAX_TOKEN_ID = 1 << 20
-MAX_TOKENS_CAP = 2**31 - 1  # max_tokens / max_new_tokens range (0, 2147483647] (seeds 000, 004)
 
 
 class TokenLimitError(ValueError):
@@ -114,33 +113,27 @@ class TokenLimits:
                 )  # fmt: skip
         return self.check_completion_prompt(ids, param)
 
-    def output_limit(self, max_tokens: int | None, param: str = "max_tokens") -> int:
+    def max_output_tokens(self, max_tokens: int | None) -> int:
         """Output tokens allowed: min(maxIterTimes, max_tokens); absent -> maxIterTimes.
 
-        A max_tokens above maxIterTimes is clamped, not refused: seeds 000/004 give the range
-        (0, 2147483647] and say the output is <= Min(maxIterTimes, max_tokens). Seed 002 writes
-        the chat range as (0, maxIterTimes], but its own text says the output is capped at
-        maxIterTimes, and OpenAI clients routinely send large values, so chat clamps as well.
+        The request's own range ((0, 2147483647]) is the protocol's to check. A max_tokens above
+        maxIterTimes is clamped, not refused: the documented output is min(maxIterTimes,
+        max_tokens) for every route (docs/apis.md, "Token-count rules").
         """
         if max_tokens is None:
             return self.max_iter_times
-        if isinstance(max_tokens, bool) or not 1 <= max_tokens <= MAX_TOKENS_CAP:
-            raise TokenLimitError(
-                param, 1, MAX_TOKENS_CAP, max_tokens,
-                f"{param} must be in [1, {MAX_TOKENS_CAP}], got {max_tokens!r}",
-            )  # fmt: skip
         return min(self.max_iter_times, max_tokens)
 
     def output_budget(self, prompt_len: int, max_tokens: int | None) -> int:
         # MINDIE.md (non-PD): outputLen = min(maxSeqLen - inputLen, maxOutputLen); hitting it
         # ends the request with finish_reason "length".
-        return max(0, min(self.max_seq_len - prompt_len, self.output_limit(max_tokens)))
+        return max(0, min(self.max_seq_len - prompt_len, self.max_output_tokens(max_tokens)))
 
     def pd_total_tokens(self, max_tokens: int | None) -> int:
         # Seed 000 generated_tokens / MINDIE.md PD: P produces the first token, D the rest.
         # When the limit is maxIterTimes (max_tokens absent or not smaller), D still runs
         # maxIterTimes steps, so the total is maxIterTimes + 1; a smaller max_tokens is exact.
-        limit = self.output_limit(max_tokens)
+        limit = self.max_output_tokens(max_tokens)
         return limit + 1 if limit == self.max_iter_times else limit
 
     def pd_decode_tokens(self, max_tokens: int | None) -> int:

@@ -14,8 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.config import AppConfig, load_config
-from serve_app.messages import Rejection, TokenizedPrompt, TokenizeRequest
+from serve_app.config import AppConfig
+from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest, text_of
 from serve_app.models.loader import load_tokenizer, resolve_model_path
 from serve_app.tokenizer.limits import TokenLimitError, TokenLimits
 
@@ -32,17 +32,16 @@ class _Model:
 
 
 class TokenizerPool:
-    def __init__(self, config: AppConfig | dict | None = None) -> None:
-        app_config = config if isinstance(config, AppConfig) else load_config(config)
+    def __init__(self, config: AppConfig | None = None) -> None:
+        """config: the app's config, validated once by the builder (defaults when None)."""
+        config = config or AppConfig()
         self._models: dict[str, _Model] = {}
-        for index, model in enumerate(app_config.BackendConfig.ModelDeployConfig.ModelConfig):
+        for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
             path = resolve_model_path(model.modelWeightPath)
             hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
             vocab_size = hf_config.get("vocab_size")
             max_pos = hf_config.get("max_position_embeddings")
-            limits = TokenLimits.from_engine_config(
-                app_config.engine_config(index), max_pos, vocab_size
-            )
+            limits = config.token_limits(max_pos, vocab_size)
             self._models[model.modelName] = _Model(
                 load_tokenizer(path), limits, vocab_size, max_pos
             )
@@ -76,7 +75,7 @@ class TokenizerPool:
             return Rejection(
                 "model",
                 f"model {req.model!r} is not served here; available: {', '.join(self._models)}",
-                "unknown_model",
+                ErrorKind.NOT_FOUND,
             )
         return await asyncio.to_thread(self._tokenize, served, req)
 
@@ -103,18 +102,16 @@ class TokenizerPool:
         try:
             with served.lock:
                 return _tokenize(served, req)
-        except TokenLimitError as exc:
-            # Over a length limit is "too_long"; an empty prompt or a bad id is plain validation.
-            too_long = exc.low == 1 and exc.actual > exc.limit
-            return Rejection(exc.param, exc.message, "too_long" if too_long else "validation")
+        except TokenLimitError as exc:  # too long, empty, or an id outside the vocabulary
+            return Rejection(exc.param, exc.message, ErrorKind.VALIDATION)
         except _Refused as exc:
             return exc.rejection
 
 
 class _Refused(Exception):
-    def __init__(self, param: str, message: str, kind: str = "validation") -> None:
+    def __init__(self, param: str, message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> None:
         super().__init__(message)
-        self.rejection = Rejection(param, message, kind)  # type: ignore[arg-type]
+        self.rejection = Rejection(param, message, kind)
 
 
 def _encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> list[int]:
@@ -156,14 +153,14 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
             raise _Refused(req.param, f"{req.param} must be a list of token ids")
         kept = limits.check_token_ids(req.token_ids, req.param)
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(req.token_ids))
-    raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", "unsupported")
+    raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", ErrorKind.UNSUPPORTED)
 
 
 def _chat_messages(messages: Any, param: str) -> list[dict]:
     """Messages for the template: text parts joined into one string, other keys kept.
 
     Many model templates (Qwen2.5's among them) only render string content, so text parts are
-    joined here, with newlines as vLLM does, and every template sees plain strings.
+    joined here (`messages.text_of`), and every template sees plain strings.
     """
     if not isinstance(messages, list) or not messages:
         raise _Refused(param, f"{param} must be a non-empty list of messages")
@@ -173,17 +170,15 @@ def _chat_messages(messages: Any, param: str) -> list[dict]:
             raise _Refused(f"{param}[{i}]", f"{param}[{i}] must be an object with a string role")
         content = message.get("content")
         if isinstance(content, list):
-            texts = []
             for j, part in enumerate(content):
                 where = f"{param}[{i}].content[{j}]"
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     message = f"{where}: only text parts are supported, got {kind!r}"
-                    raise _Refused(where, message, "unsupported")
+                    raise _Refused(where, message, ErrorKind.UNSUPPORTED)
                 if not isinstance(part.get("text"), str):
                     raise _Refused(where, f"{where}.text must be a string")
-                texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
+            message = {**message, "content": text_of(content)}
         elif content is not None and not isinstance(content, str):
             raise _Refused(
                 f"{param}[{i}].content",

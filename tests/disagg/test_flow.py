@@ -53,7 +53,7 @@ def test_first_token_before_decode_starts():
         assert [c.choices[0].token_ids for c in rest] == [[8]]
         req = backend.decode_request
         assert (req.first_token_id, req.generator_state) == (7, "state")
-        assert req.output_limit == 65  # maxIterTimes + 1: the limit came from maxIterTimes
+        assert req.max_output_tokens == 65  # maxIterTimes + 1: the limit came from maxIterTimes
         assert backend.closed
 
     asyncio.run(run())
@@ -66,7 +66,7 @@ def test_explicit_max_tokens_and_remaining_timeout_reach_decode():
         chunks = [c async for c in pd_generate(backend, "demo", _request(10, 30.0), LIMITS)]
         assert len(chunks) == 2
         req = backend.decode_request
-        assert req.output_limit == 10
+        assert req.max_output_tokens == 10
         assert 29.0 < req.request.timeout_s <= 30.0
         assert 0.0 <= req.elapsed_s < 1.0  # the e2eTimeout window carries on at decode
 

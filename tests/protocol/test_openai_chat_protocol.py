@@ -7,11 +7,13 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.messages import ChoiceDelta, ReplicaChunk, TokenizedPrompt, TokenLogprobText
+from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError, from_validation_errors
 from serve_app.protocol.openai_chat import ChatCompletionRequest, ChatStream, chat_response
 from serve_app.tokenizer.limits import TokenLimits
 
 LIMITS = TokenLimits(max_seq_len=512, max_input_token_len=256, max_iter_times=64)
+DEFAULTS = ServerDefaults(LIMITS)
 BASE = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -80,7 +82,7 @@ def test_pd_mode_refuses_what_pd_cannot_run(fields, param):
 
 def test_sampling_params_and_defaults():
     prompt = TokenizedPrompt([1, 2, 3], 3)
-    req = parse().replica_request("r", prompt, LIMITS)
+    req = parse().replica_request("r", prompt, DEFAULTS)
     p = req.params
     assert (p.temperature, p.top_p, p.top_k, p.n, p.best_of) == (1.0, 1.0, 0, 1, 1)
     assert p.max_tokens == 64 and p.logprobs is None and req.skip_special_tokens
@@ -90,7 +92,7 @@ def test_sampling_params_and_defaults():
         stop=["a", "b"], stop_token_ids=[7, 2**40, -1], logprobs=True, top_logprobs=3,
         priority=1, stream=True, skip_special_tokens=False, presence_penalty=-2,
         frequency_penalty=2, repetition_penalty=1.5, ignore_eos=True,
-    ).replica_request("r", prompt, LIMITS)  # fmt: skip
+    ).replica_request("r", prompt, DEFAULTS)  # fmt: skip
     p = req.params
     assert p.max_tokens == 64  # clamped to maxIterTimes
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.n, p.best_of) == (
@@ -100,9 +102,9 @@ def test_sampling_params_and_defaults():
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-2, 2, 1.5)
     assert req.stop == ["a", "b"] and req.priority == 1 and req.stream
     assert req.logprob_texts and not req.skip_special_tokens
-    assert parse(logprobs=True).replica_request("r", prompt, LIMITS).params.logprobs == 0
+    assert parse(logprobs=True).replica_request("r", prompt, DEFAULTS).params.logprobs == 0
     assert (
-        parse(max_completion_tokens=5).replica_request("r", prompt, LIMITS).params.max_tokens == 5
+        parse(max_completion_tokens=5).replica_request("r", prompt, DEFAULTS).params.max_tokens == 5
     )
 
 

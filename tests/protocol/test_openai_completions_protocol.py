@@ -12,6 +12,7 @@ from serve_app.messages import (
     TokenizedPrompt,
     TokenLogprobText,
 )
+from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.openai_completions import (
     CompletionRequest,
@@ -22,6 +23,7 @@ from serve_app.protocol.openai_completions import (
 from serve_app.tokenizer.limits import TokenLimits
 
 LIMITS = TokenLimits(max_seq_len=512, max_input_token_len=256, max_iter_times=64)
+DEFAULTS = ServerDefaults(LIMITS)
 PROMPT = TokenizedPrompt([1, 2, 3], 3)
 
 
@@ -92,14 +94,14 @@ def test_stop_limits_and_normalisation():
 
 
 def test_params_for_sampling_best_of_and_beam_search():
-    req = parse().replica_request("r", PROMPT, LIMITS)
+    req = parse().replica_request("r", PROMPT, DEFAULTS)
     p = req.params
     assert (p.n, p.best_of, p.temperature, p.top_p, p.max_tokens) == (1, 1, 1.0, 1.0, 64)
     assert req.stream is False and not req.logprob_texts and p.logprobs is None
-    p = parse(n=2, best_of=4).replica_request("r", PROMPT, LIMITS).params
+    p = parse(n=2, best_of=4).replica_request("r", PROMPT, DEFAULTS).params
     assert (p.n, p.best_of, p.use_beam_search) == (2, 4, False)
     req = parse(use_beam_search=True, n=2, best_of=1, stream=True, logprobs=2).replica_request(
-        "r", PROMPT, LIMITS
+        "r", PROMPT, DEFAULTS
     )
     p = req.params
     assert (p.n, p.best_of, p.use_beam_search, p.logprobs) == (2, 2, True, 2)
@@ -109,7 +111,7 @@ def test_params_for_sampling_best_of_and_beam_search():
         temperature=0, top_k=5, top_p=0.5, seed=1, max_tokens=2**31 - 1, stop=["x"],
         stop_token_ids=[3, 2**31, -5], include_stop_str_in_output=True, ignore_eos=True,
         skip_special_tokens=False, priority=2, stream=True, repetition_penalty=0.5,
-    ).replica_request("r", PROMPT, LIMITS)  # fmt: skip
+    ).replica_request("r", PROMPT, DEFAULTS)  # fmt: skip
     p = req.params
     assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens) == (0.0, 5, 0.5, 1, 64)
     assert p.stop_token_ids == [3] and p.ignore_eos and p.repetition_penalty == 0.5

@@ -296,7 +296,7 @@ def test_stats_health_device_info(replica):
 
 
 def test_shutdown_fails_health_check():
-    other = ModelReplica(CONFIG)
+    other = ModelReplica(load_config(CONFIG))
     other.check_health()
     other.shutdown()
     with pytest.raises(RuntimeError, match="not running"):

@@ -307,7 +307,7 @@ def test_cancel_during_fetch_and_during_prefill(prefill, decode, prompt, monkeyp
 
 def test_stats_name_the_role(prefill, decode, colocated):
     stats = [asyncio.run(r.stats()) for r in (prefill, decode, colocated)]
-    assert [s["role"] for s in stats] == ["prefill", "decode", "both"]
+    assert [s["role"] for s in stats] == ["prefill", "decode", "colocated"]
     with pytest.raises(ValueError, match="role"):
         ModelReplica(load_config(CONFIG), role="mixed")
 

@@ -71,7 +71,9 @@ def test_lost_kv_is_recomputed_or_fails_as_configured(lost_transfer, policy):
         request = ReplicaRequest(
             "lost-1", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0)
         )
-        decode = DecodeRequest(request, first_token_id=9, transfer=lost_transfer, output_limit=4)
+        decode = DecodeRequest(
+            request, first_token_id=9, transfer=lost_transfer, max_output_tokens=4
+        )
 
         async def run():
             return [chunk async for chunk in replica.decode(decode)]

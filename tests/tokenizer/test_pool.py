@@ -28,7 +28,7 @@ def config(truncation=False):
 
 @pytest.fixture(scope="module")
 def pool():
-    return TokenizerPool(config())
+    return TokenizerPool(load_config(config()))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_text_prompt(pool, tok, kind):
 def test_text_too_long(pool, tok, kind):
     out = tokenize(pool, kind=kind, text=long_text(300, tok), param="text_input")
     assert isinstance(out, Rejection)
-    assert (out.kind, out.param) == ("too_long", "text_input")
+    assert (out.kind, out.param) == ("validation", "text_input")
     assert "256" in out.message and "text_input" in out.message
 
 
@@ -94,7 +94,7 @@ def test_empty_prompt_is_validation(pool):
 def test_unknown_model(pool):
     out = asyncio.run(pool.tokenize(TokenizeRequest(model="gpt-9", kind="completion", text="x")))
     assert isinstance(out, Rejection)
-    assert (out.kind, out.param) == ("unknown_model", "model") and "demo" in out.message
+    assert (out.kind, out.param) == ("not_found", "model") and "demo" in out.message
 
 
 MESSAGES = [
@@ -161,7 +161,7 @@ def test_chat_too_long(pool, cutting_pool, tok):
     messages = [{"role": "user", "content": long_text(500, tok)}]
     out = tokenize(pool, kind="chat", messages=messages)
     assert isinstance(out, Rejection)
-    assert (out.kind, out.param) == ("too_long", "messages") and "448" in out.message
+    assert (out.kind, out.param) == ("validation", "messages") and "448" in out.message
     cut = tokenize(cutting_pool, kind="chat", messages=messages)
     assert cut.truncated and cut.num_prompt_tokens == 448
     assert cut.prompt_token_ids[-3:] == tok.encode("<|im_start|>assistant\n")
@@ -178,7 +178,7 @@ def test_token_ids(pool):
         ([5, 151936], "validation", "input_id[1]"),
         ([5, -1], "validation", "[0, 151935]"),
         ([], "validation", "between 1 and 256"),
-        (list(range(1, 301)), "too_long", "256"),
+        (list(range(1, 301)), "validation", "256"),
     ],
 )
 def test_token_ids_rejected(pool, ids, kind, words):

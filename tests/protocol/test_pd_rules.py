@@ -1,16 +1,12 @@
-"""The documented PD rules, table-driven (DESIGN.md "Token-count rules", MINDIE.md "PD")."""
+"""The PD rules, table-driven: token counts (TokenLimits) and the refused parameters."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_app.disagg.rules import (
-    UNSUPPORTED,
-    decode_steps,
-    refuse_unsupported,
-    total_output_limit,
-)
 from serve_app.protocol.errors import APIError
+from serve_app.protocol.pd_refusals import PD_UNSUPPORTED as UNSUPPORTED
+from serve_app.protocol.pd_refusals import refuse_in_pd as refuse_unsupported
 from serve_app.tokenizer.limits import TokenLimits
 
 LIMITS = TokenLimits(max_seq_len=2560, max_input_token_len=2048, max_iter_times=512)
@@ -28,8 +24,8 @@ LIMITS = TokenLimits(max_seq_len=2560, max_input_token_len=2048, max_iter_times=
     ],
 )
 def test_output_limits(max_tokens, total, decode):
-    assert total_output_limit(LIMITS, max_tokens) == total
-    assert decode_steps(LIMITS, max_tokens) == decode
+    assert LIMITS.pd_total_tokens(max_tokens) == total
+    assert LIMITS.pd_decode_tokens(max_tokens) == decode
 
 
 @pytest.mark.parametrize("param", UNSUPPORTED)

@@ -1,6 +1,6 @@
 """(extension) Ray Serve options per deployment: the `Deployments` section of the config.
 
-Part of the config tree of serve_app/config.py (same rules: unknown keys refused with their
+Part of the config tree (serve_app/config/) (same rules: unknown keys refused with their
 dotted path, frozen); kept apart because it is Ray Serve's vocabulary, not MindIE's.
 """
 

@@ -1,0 +1,35 @@
+"""Application configuration: MindIE config.json names, validated once, when the app is built.
+
+Place in the request path: nothing runs per request here. `load_config` turns the Ray Serve
+application `args` (or a YAML/JSON file) into a frozen `AppConfig` before any deployment starts;
+`build_app` hands that object to every deployment: the ingress reads `ServerConfig` (timeouts,
+limits), the tokenizer pool `AppConfig.token_limits`, each model replica
+`AppConfig.engine_config()`. Keys and defaults follow MindIE Server's config.json; our additions
+say "(extension)" in their description (README, "Configuration reference").
+
+    server.py       ServerConfig
+    backend.py      BackendConfig: ModelDeployConfig (ModelConfig[]), ScheduleConfig
+    deployments.py  Deployments: Ray Serve options per deployment (extension)
+    app.py          AppConfig, and what deployments derive from it
+    loading.py      load_config, ConfigError
+"""
+
+from serve_app.config.app import AppConfig, accelerator_env
+from serve_app.config.backend import BackendConfig, ModelConfig, ModelDeployConfig, ScheduleConfig
+from serve_app.config.deployments import DeploymentOptions, Deployments
+from serve_app.config.loading import ConfigError, load_config
+from serve_app.config.server import ServerConfig
+
+__all__ = [
+    "AppConfig",
+    "BackendConfig",
+    "ConfigError",
+    "DeploymentOptions",
+    "Deployments",
+    "ModelConfig",
+    "ModelDeployConfig",
+    "ScheduleConfig",
+    "ServerConfig",
+    "accelerator_env",
+    "load_config",
+]

@@ -1,0 +1,80 @@
+"""`AppConfig`: the whole application config (Ray Serve application `args`), and what the
+deployments derive from it: each model's `EngineConfig`, the token-count rules, the mode."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app.config.backend import BackendConfig, mindie_values
+from serve_app.config.deployments import Deployments
+from serve_app.config.server import ServerConfig
+from serve_app.engine.config import MINDIE_ALIASES, EngineConfig
+from serve_app.tokenizer.limits import TokenLimits
+
+_ServerConfig, _BackendConfig, _Deployments = ServerConfig, BackendConfig, Deployments
+
+
+class AppConfig(BaseModel):
+    """The whole application config: Ray Serve application `args`, MindIE config.json names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ServerConfig: _ServerConfig = Field(
+        default_factory=_ServerConfig, description="HTTP front end: address, limits, timeouts."
+    )
+    BackendConfig: _BackendConfig = Field(
+        default_factory=_BackendConfig, description="Devices, models and scheduling."
+    )
+    Deployments: _Deployments = Field(
+        default_factory=_Deployments,
+        description="(extension) Ray Serve options per deployment: replicas, resources.",
+    )
+
+    @property
+    def model_names(self) -> list[str]:
+        return [m.modelName for m in self.BackendConfig.ModelDeployConfig.ModelConfig]
+
+    @property
+    def pd_mode(self) -> bool:
+        """inferMode dmi: prefill and decode on separate replicas."""
+        return self.ServerConfig.inferMode == "dmi"
+
+    def engine_config(self, model_index: int = 0) -> EngineConfig:
+        """The frozen engine settings for ModelConfig[model_index] (already checked: the
+        engine's rules ran when this config loaded)."""
+        deploy, sched = self.BackendConfig.ModelDeployConfig, self.BackendConfig.ScheduleConfig
+        if not 0 <= model_index < len(deploy.ModelConfig):
+            raise IndexError(f"ModelDeployConfig.ModelConfig has no item {model_index}")
+        model = deploy.ModelConfig[model_index]
+        values = mindie_values(deploy, sched, model)
+        server = self.ServerConfig
+        values.update(tokenTimeout=server.tokenTimeout, e2eTimeout=server.e2eTimeout)
+        fields = {MINDIE_ALIASES[key]: v for key, v in values.items() if key in MINDIE_ALIASES}
+        for name in ("kv_cache_mem_gb", "token_timeout_s", "e2e_timeout_s"):
+            fields[name] = float(fields[name])
+        return EngineConfig(**fields, dtype=model.dtype, device=model.device)
+
+    def token_limits(
+        self, max_position_embeddings: int | None = None, vocab_size: int | None = None
+    ) -> TokenLimits:
+        """The token-count rules; a model's max_position_embeddings and vocabulary (from its
+        config.json) tighten them where known."""
+        deploy = self.BackendConfig.ModelDeployConfig
+        return TokenLimits(
+            max_seq_len=deploy.maxSeqLen,
+            max_input_token_len=deploy.maxInputTokenLen,
+            max_iter_times=self.BackendConfig.ScheduleConfig.maxIterTimes,
+            truncation=deploy.truncation,
+            max_position_embeddings=max_position_embeddings,
+            vocab_size=vocab_size,
+        )
+
+
+def accelerator_env() -> dict[str, str | None]:
+    """The device visibility Ray set for this worker (it pins NPUs/GPUs through these); the
+    only environment the app reads."""
+    return {
+        name: os.environ.get(name) for name in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    }

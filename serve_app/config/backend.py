@@ -1,0 +1,261 @@
+"""`BackendConfig`: devices, the models served, sequence limits and scheduling (MindIE names).
+
+Defaults, dtype/device choices and the rules between engine settings come from the engine's own
+config (`serve_app.engine.config`), so they are written once; the rules that involve keys the
+engine never sees (maxPreemptCount, cpuMemSize, unique model names) live here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from serve_app.engine import config as engine_config
+from serve_app.engine.config import DEVICES, DTYPES, EngineConfig
+
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+_ENGINE = EngineConfig()  # the engine's defaults are the config's defaults
+_SCHED = "BackendConfig.ScheduleConfig"
+_DEPLOY = "BackendConfig.ModelDeployConfig"
+
+
+def _cross_check(problems: list[str]) -> None:
+    """Rules across keys fail as one error whose lines name both keys by their paths."""
+    if problems:
+        raise PydanticCustomError("cross_check", "{detail}", {"detail": "\n".join(problems)})
+
+
+class ModelConfig(BaseModel):
+    model_config = _FROZEN
+
+    modelName: str = Field(
+        _ENGINE.model_name,
+        min_length=1,
+        max_length=256,
+        description=(
+            "Name clients send as `model`: letters, digits, '-', '.', '_', not starting or ending "
+            "with '-', '.', '_'; at most 256 characters."
+        ),
+    )
+    modelWeightPath: str = Field(
+        _ENGINE.model,
+        min_length=1,
+        description=(
+            "Folder of Hugging Face safetensors weights, or 'demo' / 'demo-tiny' for the built-in "
+            "demo model."
+        ),
+    )
+    worldSize: int = Field(1, ge=1, description="Devices one model instance spans.")
+    cpuMemSize: int = Field(5, ge=0, description="Host memory for swapped-out KV cache, in GB.")
+    npuMemSize: float = Field(
+        _ENGINE.kv_cache_mem_gb,
+        description=(
+            "KV cache per replica, in GB; -1 = auto (80% of free device memory, 2 GB on CPU)."
+        ),
+    )
+    dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
+        _ENGINE.dtype,
+        description=(
+            "(extension) Weight and activation dtype; auto = the checkpoint's torch_dtype."
+        ),
+    )
+    device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
+        _ENGINE.device,
+        description=("(extension) Device to run on; auto = npu if present, else cuda, else cpu."),
+    )
+    trustRemoteCode: bool = Field(
+        False,
+        description=(
+            "(extension) Allow model code shipped with the weights "
+            "(transformers trust_remote_code)."
+        ),
+    )
+
+    @field_validator("modelName")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        allowed = all(c.isascii() and (c.isalnum() or c in "-._") for c in value)
+        if not allowed or value[0] in "-._" or value[-1] in "-._":
+            raise ValueError(
+                f"{value!r} must be letters, digits, '-', '.', '_' and must not "
+                "start or end with '-', '.', '_'"
+            )
+        return value
+
+    @field_validator("npuMemSize")
+    @classmethod
+    def _mem(cls, value: float) -> float:
+        if value != -1 and value <= 0:
+            raise ValueError(f"must be -1 (auto) or > 0 GB, got {value:g}")
+        return value
+
+
+_ModelConfig = ModelConfig  # the field below is named like the class; pydantic needs an alias
+
+
+class ModelDeployConfig(BaseModel):
+    model_config = _FROZEN
+
+    maxSeqLen: int = Field(
+        _ENGINE.max_seq_len, ge=1, description="Longest sequence, prompt plus output, tokens."
+    )
+    maxInputTokenLen: int = Field(
+        _ENGINE.max_input_token_len,
+        ge=1,
+        le=4194304,
+        description=(
+            "Longest prompt in tokens; the effective limit is min(maxInputTokenLen, maxSeqLen - 1)."
+        ),
+    )
+    truncation: bool = Field(
+        _ENGINE.truncation, description="Too-long prompts: true = cut, false = reject."
+    )
+    ModelConfig: tuple[_ModelConfig, ...] = Field(
+        (_ModelConfig(),),
+        min_length=1,
+        description=("Models served (at least one); the default is the built-in demo model."),
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ModelDeployConfig:
+        seen: dict[str, int] = {}
+        problems = []
+        for i, model in enumerate(self.ModelConfig):
+            if model.modelName in seen:
+                problems.append(
+                    f"{_DEPLOY}.ModelConfig[{i}].modelName ({model.modelName!r}) repeats "
+                    f"{_DEPLOY}.ModelConfig[{seen[model.modelName]}].modelName; names must be "
+                    "unique"
+                )
+            seen.setdefault(model.modelName, i)
+        _cross_check(problems)
+        return self
+
+
+class ScheduleConfig(BaseModel):
+    model_config = _FROZEN
+
+    templateType: Literal["Standard", "Mix"] = Field(
+        "Standard",
+        description=(
+            "Standard: prefill and decode in separate steps; Mix: SplitFuse (ignored with dmi)."
+        ),
+    )
+    cacheBlockSize: int = Field(
+        _ENGINE.block_size, ge=1, le=128, description="Tokens per KV cache block."
+    )
+    maxPrefillBatchSize: int = Field(
+        _ENGINE.max_prefill_batch_size, ge=1, description="Most requests in one prefill step."
+    )
+    maxPrefillTokens: int = Field(
+        _ENGINE.max_prefill_tokens, ge=1, description="Most prompt tokens in one prefill step."
+    )
+    prefillTimeMsPerReq: int = Field(
+        150,
+        ge=0,
+        description=("Expected prefill time per request, ms (used by supportSelectBatch)."),
+    )
+    decodeTimeMsPerReq: int = Field(
+        50, ge=0, description=("Expected decode time per request, ms (used by supportSelectBatch).")
+    )
+    prefillPolicyType: int = Field(
+        0, ge=0, le=3, description=("Prefill queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.")
+    )
+    decodePolicyType: int = Field(
+        0, ge=0, le=3, description=("Decode queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.")
+    )
+    maxBatchSize: int = Field(
+        _ENGINE.max_batch_size, ge=1, le=5000, description="Most requests in one decode step."
+    )
+    maxIterTimes: int = Field(
+        _ENGINE.max_iter_times, ge=1, description="Most tokens generated for one request."
+    )
+    maxPreemptCount: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Most requests preempted (swapped to host memory) at once; > 0 needs cpuMemSize > 0."
+        ),
+    )
+    supportSelectBatch: bool = Field(
+        False, description=("Choose prefill or decode steps by the per-request time estimates.")
+    )
+    maxQueueDelayMicroseconds: int = Field(
+        5000, ge=0, description=("Longest wait to fill a batch, in microseconds.")
+    )
+    maxFirstTokenWaitTime: int = Field(
+        2500,
+        ge=0,
+        description=("Longest wait for a first token before prefill is favoured, in ms."),
+    )
+    kvCacheBlocks: int = Field(
+        _ENGINE.num_kv_blocks,
+        ge=0,
+        description=(
+            "(extension) KV pool size in blocks, used on CPU; 0 = derive from npuMemSize."
+        ),
+    )
+    enablePrefixCaching: bool = Field(
+        _ENGINE.enable_prefix_caching,
+        description=("(extension) Reuse KV cache blocks of identical prompt prefixes."),
+    )
+
+
+_ModelDeployConfig, _ScheduleConfig = ModelDeployConfig, ScheduleConfig
+
+
+class BackendConfig(BaseModel):
+    model_config = _FROZEN
+
+    npuDeviceIds: tuple[tuple[Annotated[int, Field(ge=0)], ...], ...] = Field(
+        ((0,),), min_length=1, description="Logical device ids, one list per model instance."
+    )
+    tokenizerProcessNumber: int = Field(8, ge=1, le=32, description="Tokenizer processes.")
+    multiNodesInferEnabled: bool = Field(False, description="One model instance spans nodes.")
+    ModelDeployConfig: _ModelDeployConfig = Field(
+        default_factory=_ModelDeployConfig, description="Sequence limits and the models served."
+    )
+    ScheduleConfig: _ScheduleConfig = Field(
+        default_factory=_ScheduleConfig, description="Batching and KV cache scheduling."
+    )
+
+    @model_validator(mode="after")
+    def _cross(self) -> BackendConfig:
+        deploy, sched = self.ModelDeployConfig, self.ScheduleConfig
+        where = {**dict.fromkeys(_DEPLOY_KEYS, _DEPLOY), **dict.fromkeys(_SCHED_KEYS, _SCHED)}
+        problems = engine_config.problems(
+            mindie_values(deploy, sched),
+            path=lambda key: f"{where[key]}.{key}",
+            rules=engine_config.CROSS_RULES + (("maxPreemptCount", "<=", "maxBatchSize"),),
+        )
+        if sched.maxPreemptCount > 0:
+            problems += [
+                f"{_SCHED}.maxPreemptCount ({sched.maxPreemptCount}) > 0 requires "
+                f"{_DEPLOY}.ModelConfig[{i}].cpuMemSize > 0 (got {model.cpuMemSize})"
+                for i, model in enumerate(deploy.ModelConfig)
+                if model.cpuMemSize <= 0
+            ]
+        _cross_check(problems)
+        return self
+
+
+_DEPLOY_KEYS = ("maxSeqLen", "maxInputTokenLen", "truncation")
+_SCHED_KEYS = (
+    "maxIterTimes", "maxBatchSize", "maxPrefillBatchSize", "maxPrefillTokens", "cacheBlockSize",
+    "kvCacheBlocks", "enablePrefixCaching", "maxPreemptCount",
+)  # fmt: skip
+
+
+def mindie_values(
+    deploy: ModelDeployConfig, sched: ScheduleConfig, model: ModelConfig | None = None
+) -> dict:
+    """The engine's settings by MindIE name, read from the sections that hold them."""
+    values = {key: getattr(deploy, key) for key in _DEPLOY_KEYS}
+    values.update({key: getattr(sched, key) for key in _SCHED_KEYS})
+    if model is not None:
+        values.update(
+            {key: getattr(model, key) for key in ("modelName", "modelWeightPath", "npuMemSize")}
+        )
+    return values

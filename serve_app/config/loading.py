@@ -1,0 +1,111 @@
+"""`load_config`: Ray Serve `args`, a YAML/JSON file or nothing -> a validated, frozen AppConfig,
+or one `ConfigError` listing every problem with its dotted path."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from serve_app.config.app import AppConfig
+from serve_app.config.backend import (
+    BackendConfig,
+    ModelConfig,
+    ModelDeployConfig,
+    ScheduleConfig,
+)
+from serve_app.config.deployments import DeploymentOptions, Deployments
+from serve_app.config.server import ServerConfig
+from serve_app.pydantic_errors import dotted, reword
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be loaded; the message lists every problem, one per line."""
+
+
+_SECTIONS = {
+    c.__name__: c
+    for c in (
+        AppConfig,
+        ServerConfig,
+        BackendConfig,
+        ModelDeployConfig,
+        ModelConfig,
+        ScheduleConfig,
+        Deployments,
+        DeploymentOptions,
+    )
+}
+# Deployment sections are named after the deployment, not their class.
+_SECTIONS.update(
+    dict.fromkeys(
+        ("Ingress", "TokenizerPool", "ModelReplica", "Prefill", "Decode"), DeploymentOptions
+    )
+)
+
+
+def load_config(source: dict | str | Path | None = None) -> AppConfig:
+    """Build the AppConfig from a dict (Ray Serve `args`), a YAML/JSON file path, or defaults."""
+    if source is None:
+        data: Any = {}
+    elif isinstance(source, dict):
+        data = source
+    elif isinstance(source, (str, Path)):
+        data = _read_file(Path(source))
+    else:
+        raise ConfigError(f"config must be a dict, a path or None, not {type(source).__name__}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        failed = {error["loc"][:i] for error in errors for i in range(len(error["loc"]))}
+        # pydantic also calls a sequence "too short" when one of its items failed: noise
+        lines = [
+            _describe(error)
+            for error in errors
+            if not (error["type"] == "too_short" and error["loc"] in failed)
+        ]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def _read_file(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid: {exc}") from None
+    return {} if data is None else data
+
+
+def _describe(error: dict) -> str:
+    loc, kind, path = tuple(error["loc"]), error["type"], dotted(error["loc"])
+    if kind == "cross_check":
+        return error["msg"].replace("\n", "\n  ")
+    if kind == "extra_forbidden":
+        key, parent = str(loc[-1]), dotted(loc[:-1])
+        where = f"in {parent}" if parent else "at the top level"
+        section = next((p for p in reversed(loc[:-1]) if isinstance(p, str)), "AppConfig")
+        known = list(_SECTIONS[section].model_fields) if section in _SECTIONS else []
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = (
+            f" (did you mean {close[0]!r}?)"
+            if close
+            else (f" (known keys: {', '.join(known)})" if known else "")
+        )
+        return f"{path}: unknown key {key!r} {where}{hint}"
+    message = reword(error["msg"])
+    if kind == "model_type":
+        message = "must be a mapping of keys"
+    got = error.get("input")
+    if kind != "value_error" and not isinstance(got, (dict, list)):
+        message += f" (got {got!r})"
+    return f"{path or '(top level)'}: {message}"
