@@ -47,9 +47,9 @@ def text_of(content: Any) -> str:
 class TokenizeRequest:
     """What to turn into prompt token ids, and which token-count rule applies.
 
-    kind: "completion" (text prompt, seed 004 rule), "chat" (messages through the chat template,
-    seed 002 rule), "token_ids" (ids given by the client, seed 000 rule: vocabulary + length),
-    "text" (/infer and Triton text_input: the completion rule).
+    kind: "completion" (text prompt), "chat" (messages through the chat template: the chat
+    rule), "token_ids" (ids given by the client: vocabulary + length), "text" (/infer and
+    Triton text_input: the completion rule). See docs/apis.md#token-count-rules.
     """
 
     model: str

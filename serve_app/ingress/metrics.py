@@ -1,4 +1,4 @@
-"""Prometheus metrics at /metrics, MindIE's names (MINDIE.md), label model_name.
+"""Prometheus metrics at /metrics, MindIE's metric names, label model_name.
 
 Request-level histograms and counters are observed in the ingress as requests finish; the engine
 gauges (running, waiting, KV usage, preemptions, prefix-cache hit rate) come from the stats that

@@ -1,9 +1,9 @@
 """MindIE's inference routes: `POST /infer` (text) and `POST /infer_token` (token ids).
 
 Both take the same body and differ only in which prompt field they name when neither is given;
-errors are MindIE's {"error", "error_type"} (docs/apis.md, "MindIE"). Streams peek the first
-chunk so that anything failing before the first token is an HTTP error; after that an error is
-one SSE event in the same envelope.
+errors are MindIE's {"error", "error_type"} (docs/apis.md#mindie-infer-and-infer_token). Streams
+peek the first chunk so that anything failing before the first token is an HTTP error; after
+that an error is one SSE event in the same envelope.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each route: translate (the request's ranges, then its cross-rules and PD refusal
 costs no model work; then the tokenizer pool), then either collect the replica's chunks into one
 body or stream them as SSE. The stream's first chunk is peeked, so a request the engine refuses
 is still an HTTP error; an error after the 200 is one `data: {"error": ...}` event followed by
-[DONE]. Errors are rendered as OpenAI error objects by the app (path /v1/*; docs/apis.md).
+[DONE]. Errors are rendered as OpenAI error objects by the app (path /v1/*; docs/apis.md#errors).
 """
 
 from __future__ import annotations

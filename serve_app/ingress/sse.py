@@ -21,7 +21,7 @@ MEDIA_TYPE = "text/event-stream"
 
 
 def event(payload: dict) -> str:
-    """One SSE event; compact JSON like the seeds' examples, non-ASCII text kept as is."""
+    """One SSE event; compact JSON like MindIE's examples, non-ASCII text kept as is."""
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 

@@ -5,7 +5,7 @@ Errors before generation are Triton's {"error": msg} (400 validation, 404 unknow
 version); generate_stream peeks the first chunk so those stay HTTP errors, and an error after
 the 200 is one SSE event {"error": msg}. A request with an `id` is registered for
 `POST /v2/models/{model}/stopInfer {"id"}` (admin_routes), which ends it with finish_reason
-stop_sequence and frees its KV blocks (docs/apis.md, "Triton generate").
+stop_sequence and frees its KV blocks (docs/apis.md#triton-generate).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A failure is known somewhere (a pydantic range, a family's cross-rule, the token
 engine, a timer) and travels as a kind plus a message naming the parameter: as `APIError` inside
 the ingress, as `messages.Rejection` / `ReplicaChunk.error_kind` across handles. The ingress's
 exception handler picks the family from the route (`family_for_path`) and `APIError.status` /
-`APIError.body` render it; the table is `_ENVELOPES` below (docs/apis.md, "Errors").
+`APIError.body` render it; the table is `_ENVELOPES` below (docs/apis.md#errors).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Range validators whose messages name the allowed range exactly as the seeds write it.
+"""Range validators whose messages name the allowed range in interval notation.
 
 `Range(0.0, 2.0, low_open=True)` inside `Annotated[float | None, ...]` refuses 0 with
 "must be in (0.0, 2.0]"; the ingress's error renderer prefixes the parameter name and appends
@@ -21,8 +21,8 @@ STRICT = ConfigDict(extra="ignore", strict=True)
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
-# Seed 004: stop is a string of 1~32768 characters, or a list of non-empty strings whose total
-# is <= 32768 (32*1024). Triton's generate takes the same rule.
+# stop: a string of 1..32768 characters, or a list of non-empty strings of at most 32768 in all
+# (docs/apis.md#common-rules). Chat, completions and Triton's generate share the rule.
 MAX_STOP_CHARS = 32 * 1024
 
 
@@ -72,7 +72,7 @@ def Range(  # noqa: N802 - reads as a type annotation
 
 
 def stop_strings(value: Any) -> list[str] | None:
-    """Seed 004's stop rules, checked as one parameter (a pydantic union's errors would name
+    """The stop rules, checked as one parameter (a pydantic union's errors would name
     its branches, "stop.str" / "stop.list[str]"); the result is a list, None when empty."""
     if value is None:
         return None

@@ -1,17 +1,19 @@
-"""MindIE's own inference API (`/infer`, `/infer_token`, seed 000): request models and responses.
+"""MindIE's own inference API (`/infer`, `/infer_token`): request models and responses.
 
 Place in the request path: the ingress validates the body with `InferRequest`, turns it into a
 `TokenizeRequest` + `ReplicaRequest`, and renders the replica's chunks with `infer_response` (one
-JSON object) or `InferStream` (SSE events). Ranges are the seed's, field by field; messages
-name the parameter and its range ("parameters.temperature must be > 0.0, got 0.0").
+JSON object) or `InferStream` (SSE events). Ranges are MindIE's, field by field
+(docs/apis.md#mindie-infer-and-infer_token); messages name the parameter and its range
+("parameters.temperature must be > 0.0, got 0.0").
 
-Choices where the seed is silent or self-contradictory:
-- `timeout` is "uint64_t (0, 3600]" in the seed; we also accept a fractional number of seconds in
-  the same range (a superset: no valid MindIE request is refused, and tests can use 0.05 s).
+Choices where MindIE's documentation is silent or self-contradictory
+(docs/apis.md#deliberate-choices):
+- `timeout` is documented as "uint64_t (0, 3600]"; we also accept a fractional number of seconds
+  in the same range (a superset: no valid MindIE request is refused, and tests can use 0.05 s).
 - `seed` absent: the server draws one and reports it in `details.seed`, so any sampled answer
-  can be reproduced (the seed's example reports a seed the request did not give).
+  can be reproduced (MindIE's example reports a seed the request did not give).
 - The last stream event carries the last token's id with `"text": null`, its text only inside
-  `generated_text` (exactly the seed's example). When the final chunk has no token (a request
+  `generated_text` (exactly MindIE's example). When the final chunk has no token (a request
   ended by stopInfer after its last token event), the last event's `token` is null.
 """
 
@@ -41,7 +43,7 @@ _SERVER_SEED_HIGH = 2**31 - 1
 
 
 class InferParameters(BaseModel):
-    """`parameters` of /infer and /infer_token (seed 000); null means "not given"."""
+    """`parameters` of /infer and /infer_token; null means "not given"."""
 
     model_config = STRICT
 
@@ -66,9 +68,9 @@ class InferParameters(BaseModel):
     )
     details: bool | None = Field(None, description="Return finish_reason, token count and seed.")
     typical_p: Annotated[float | None, Range(0.0, 1.0, low_open=True)] = Field(
-        None, description="(0.0, 1.0]; validated and accepted, not applied (seed 000)."
+        None, description="(0.0, 1.0]; validated and accepted, not applied."
     )
-    watermark: bool | None = Field(None, description="Accepted, not applied (seed 000).")
+    watermark: bool | None = Field(None, description="Accepted, not applied.")
     priority: Annotated[int | None, Range(1, 5)] = Field(
         None, description="[1, 5], default 5; 1 is the highest priority."
     )
@@ -180,7 +182,7 @@ def infer_response(chunk: ReplicaChunk, seed: int, with_details: bool) -> dict:
 
 
 class InferStream:
-    """Replica chunks -> seed 000's SSE payloads: one per generated token, the last one adding
+    """Replica chunks -> SSE payloads: one per generated token, the last one adding
     `generated_text` and `details`. Stateful across chunks of one request."""
 
     def __init__(self, seed: int, with_details: bool, full_text: bool = False) -> None:

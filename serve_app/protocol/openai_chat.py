@@ -1,10 +1,10 @@
-"""POST /v1/chat/completions (seed 002, MindIE flavour, with the common OpenAI/vLLM extras).
+"""POST /v1/chat/completions, MindIE flavour, with the common OpenAI/vLLM extras.
 
-Request model with every range of seed 002, its translation to a `TokenizeRequest` (the chat
-template runs in the tokenizer pool, so the templated prompt obeys the chat token rule and
-usage counts the template's tokens) and to a `ReplicaRequest`, and the renderers of the
-response and of the stream chunks. Finish reasons are MindIE's words (eos_token / length /
-stop_sequence), as seed 002 shows, not OpenAI's.
+Request model with every range (docs/apis.md#openai-chat-completions), its translation to a
+`TokenizeRequest` (the chat template runs in the tokenizer pool, so the templated prompt obeys
+the chat token rule and usage counts the template's tokens) and to a `ReplicaRequest`, and the
+renderers of the response and of the stream chunks. Finish reasons are MindIE's words
+(eos_token / length / stop_sequence), as its documented answers show, not OpenAI's.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from serve_app.protocol.openai_common import (
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import mindie_finish, sampling_params
 
-MAX_MESSAGE_CHARS = 512 * 1024  # seed 002: 0 KB < characters of the messages <= 512 KB
+MAX_MESSAGE_CHARS = 512 * 1024  # all message contents together: 1 to 524288 characters
 _CONTENT_RULE = "must be a non-empty string or a non-empty list of text parts"
 
 
@@ -93,7 +93,10 @@ def _messages(value: list[ChatMessage]) -> list[ChatMessage]:
 class ChatCompletionRequest(BaseModel):
     model_config = STRICT
 
-    model: ModelName = Field(description="A served model name (seed 002's name pattern).")
+    model: ModelName = Field(
+        description="A served model name: 1 to 256 letters, digits, '.', '-', '_'; "
+        "not starting or ending with '.', '-', '_'."
+    )
     messages: Annotated[list[ChatMessage], AfterValidator(_messages)] = Field(
         description="Roles system/user/assistant/tool; all contents together in (0, 512 KB]."
     )
@@ -209,7 +212,7 @@ def chat_response(
     request_id: str, created: int, model: str, chunk: ReplicaChunk, prompt_tokens: int,
     want_logprobs: bool,
 ) -> dict:  # fmt: skip
-    """The non-stream body of seed 002 (logprobs added only when asked)."""
+    """The non-stream body (logprobs added only when asked)."""
     choices = []
     for c in chunk.choices:
         choice: dict = {"index": c.index, "message": {"role": "assistant", "content": c.text}}
@@ -229,7 +232,7 @@ def chat_response(
 
 
 class ChatStream:
-    """Replica chunks -> seed 002's stream chunks: the role in every delta, an empty delta with
+    """Replica chunks -> stream chunks: the role in every delta, an empty delta with
     the finish reason per choice, then (include_usage) a usage chunk with empty choices."""
 
     def __init__(

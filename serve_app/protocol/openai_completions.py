@@ -1,6 +1,6 @@
-"""POST /v1/completions (seed 004, vLLM-style as MindIE serves it).
+"""POST /v1/completions, vLLM-style as MindIE serves it (docs/apis.md#openai-completions).
 
-Request model with seed 004's ranges and its n / best_of / use_beam_search cross-rules (they
+Request model with its ranges and the n / best_of / use_beam_search cross-rules (they
 differ between stream and non-stream), translation to a `TokenizeRequest` (text, or token ids as
 vLLM accepts) and a `ReplicaRequest`, and the response / chunk renderers. Finish reasons are
 OpenAI's words (stop / length) with `stop_reason` naming the stop string or token id; usage adds
@@ -28,7 +28,7 @@ from serve_app.protocol.fields import STRICT, Range, Stop
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import openai_finish, sampling_params
 
-MAX_PROMPT_CHARS = 4 * 1024 * 1024  # seed 004: 0 KB < characters <= 4 MB
+MAX_PROMPT_CHARS = 4 * 1024 * 1024  # a text prompt has 1 to 4194304 characters
 _PROMPT_RULE = (
     f"must be a non-empty string of at most {MAX_PROMPT_CHARS} characters (4 MB) "
     "or a non-empty list of token ids"
@@ -94,7 +94,7 @@ class CompletionRequest(BaseModel):
     priority: common.Priority = Field(None, description="[1, 5], 1 first; default 5.")
 
     def check(self, pd_mode: bool) -> None:
-        """The PD refusals first, then seed 004's cross-rules (400 naming the parameter)."""
+        """The PD refusals first, then the cross-rules (400 naming the parameter)."""
         beam, n, best_of = bool(self.use_beam_search), self.n, self.best_of
         refuse_in_pd(
             pd_mode,
@@ -109,8 +109,8 @@ class CompletionRequest(BaseModel):
         )
         if beam and self.stop:
             raise invalid("stop", "cannot be used with use_beam_search")
-        # Seed 004: n > 1 needs temperature > 0, beam search or not; beam search only lifts
-        # the checks on best_of ("将不会对best_of的取值进行校验").
+        # n > 1 needs temperature > 0, beam search or not; beam search only lifts the checks
+        # on best_of (docs/apis.md#deliberate-choices).
         if (n or 1) > 1 and self.temperature == 0:
             raise invalid("temperature", "must be > 0 when n > 1, got 0")
         if not beam:
@@ -127,7 +127,7 @@ class CompletionRequest(BaseModel):
 
     @property
     def fake_stream(self) -> bool:
-        """Beam search streams as seed 004's "fake stream": every finished choice in one event."""
+        """Beam search streams as a "fake stream": every finished choice in one event."""
         return bool(self.stream and self.use_beam_search)
 
     def tokenize_request(self, model: str) -> TokenizeRequest:
@@ -139,7 +139,7 @@ class CompletionRequest(BaseModel):
         self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
         beam, n = bool(self.use_beam_search), self.n or 1
-        # Beam search: best_of is not checked (seed 004); it widens the beam, never below n.
+        # Beam search: best_of is not checked; it widens the beam, never below n.
         best_of = max(n, self.best_of or n) if beam else self.best_of
         params = sampling_params(
             temperature=self.temperature,
@@ -220,10 +220,10 @@ def completion_response(
     request_id: str, created: int, model: str, chunk: ReplicaChunk, prompt_tokens: int,
     want_logprobs: bool,
 ) -> dict:  # fmt: skip
-    """The non-stream body of seed 004 (also the one event of a beam-search "fake stream").
+    """The non-stream body (also the one event of a beam-search "fake stream").
 
-    text_offset runs on from one choice to the next, as both of seed 004's examples show
-    (choice 1 starts where choice 0's text ends)."""
+    text_offset runs on from one choice to the next, as MindIE's documented examples show
+    (choice 1 starts where choice 0's text ends; docs/apis.md#deliberate-choices)."""
     choices, offset = [], 0
     for delta in chunk.choices:
         logprobs = completion_logprobs(delta, offset) if want_logprobs else None
@@ -243,7 +243,8 @@ def completion_response(
 
 class CompletionStream:
     """Replica chunks -> one event per choice delta; the last event of the final replica chunk
-    carries usage (MINDIE.md: "final chunk carries usage")."""
+    carries usage, whatever stream_options says, as MindIE does
+    (docs/apis.md#deliberate-choices)."""
 
     def __init__(
         self, request_id: str, created: int, model: str, prompt_tokens: int, want_logprobs: bool

@@ -4,7 +4,7 @@ A PD request runs one sequence whose first token comes from the prefill replica 
 from the decode replica, so nothing that needs several sequences, a look at the text across the
 hand-off or per-token alternatives can be served. Every API family lists which of these its
 request sets and calls `refuse_in_pd`; the first one given is named in the family's 4xx
-(docs/apis.md, "Prefill/decode rules"). The PD token counts are `TokenLimits.pd_*`.
+(docs/apis.md#prefilldecode-infermode-dmi-rules). The PD token counts are `TokenLimits.pd_*`.
 """
 
 from __future__ import annotations

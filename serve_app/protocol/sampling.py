@@ -1,8 +1,9 @@
 """What the API families share: finish-reason words and the sampling mapping.
 
 Engine finish reasons (`FinishReason` values, as they arrive in `ChoiceDelta.finish_reason`) map
-onto each family's words here, once. MindIE's routes (seeds 000, 002) say eos_token /
-stop_sequence / length; the vLLM-style completions route (seed 004) says stop / length.
+onto each family's words here, once. MindIE's words (/infer, chat, Triton) are eos_token /
+stop_sequence / length; the vLLM-style completions route says stop / length
+(docs/apis.md#openai-completions).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ MINDIE_FINISH = {
     "stop_token": "stop_sequence",
     "stop_string": "stop_sequence",
     "length": "length",
-    "aborted": "stop_sequence",  # cancelled or stopped (seed 000: "CANCEL or STOP")
+    "aborted": "stop_sequence",  # cancelled or stopped: MindIE reports both as stop_sequence
     "timeout": "stop_sequence",
 }
 OPENAI_FINISH = {
@@ -55,7 +56,8 @@ def sampling_params(
 ) -> SamplingParams:
     """Validated request values -> SamplingParams; None means "the engine default".
 
-    top_k -1 / 0 / >= vocab means off (seeds 000, 004: ">= vocabSize -> vocabSize").
+    top_k -1 / 0 / >= vocab means off: a top_k of the vocabulary size keeps every token
+    (docs/apis.md#common-rules).
     do_sample false means greedy whatever the temperature; temperature 0 means greedy.
     """
     n = n or 1

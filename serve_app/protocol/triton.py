@@ -1,12 +1,12 @@
-"""Triton's generate extension (seed 003) as MindIE serves it: request model and responses.
+"""Triton's generate extension as MindIE serves it: request model and responses.
 
 Place in the request path: `/v2/models/{model}[/versions/{v}]/generate(_stream)` validate the
 body with `GenerateRequest`, and render the replica's chunks with `generate_response` (one JSON
 object) or `GenerateStream` (one SSE event per chunk, text deltas in `text_output`).
 
-Ranges. Seed 003 says parameters are model specific; we use MindIE's ranges for its /v2 generate
-(the /infer ranges of seed 000, MINDIE.md) with two deliberate differences, because Triton
-clients (seed 003's own example sends `"temperature": 0`) expect the usual LLM conventions:
+Ranges (docs/apis.md#triton-generate). Triton leaves parameters to the model; we use MindIE's
+/infer ranges with two deliberate differences, because Triton clients (Triton's own example
+sends `"temperature": 0`) expect the usual LLM conventions (docs/apis.md#deliberate-choices):
 - temperature >= 0.0, where 0 means greedy (MindIE /infer refuses 0);
 - top_p in (0.0, 1.0], where 1.0 means off (MindIE /infer refuses an explicit 1.0).
 Everything else: top_k (0, 2^31-1], max_tokens / max_new_tokens (0, 2^31-1] default 20 (both
@@ -14,7 +14,7 @@ may be given only if equal), seed (0, 2^64-1], repetition_penalty > 0, typical_p
 watermark accepted but not applied, batch_size >= 1 and perf_stat accepted (MindIE's knobs; the
 details always report the real batch sizes), priority [1, 5] default 5, timeout (0, 3600] s
 default 600, stop a string of 1..32768 characters or a list of them (32768 characters in all;
-seed 004's rule). Unknown parameters are ignored, as seed 003 allows model-specific ones.
+the completions rule). Unknown parameters are ignored, as Triton allows model-specific ones.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 
 
 def _checked_stop(value: object) -> object:
-    stop_strings(value)  # seed 004's rule, shared with the OpenAI routes; the value is kept
+    stop_strings(value)  # the rule of the OpenAI routes (shared); the value is kept
     return value
 
 
@@ -117,7 +117,7 @@ class GenerateParameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """Body of generate / generate_stream (seed 003); other top-level keys are ignored."""
+    """Body of generate / generate_stream; other top-level keys are ignored."""
 
     model_config = STRICT
 

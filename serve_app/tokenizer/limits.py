@@ -1,4 +1,4 @@
-"""Token-count rules of the MindIE APIs, in one place (see DESIGN.md, "Token-count rules").
+"""Token-count rules of the MindIE APIs, in one place (docs/apis.md#token-count-rules).
 
 Pure Python on purpose: the tokenizer pool, the ingress and the engine all import it, and the API
 layers map `TokenLimitError` to each family's 4xx body. The engine config is duck-typed (any
@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# /infer_token and Triton generate: max_new_tokens defaults to 20 (seed 000, MINDIE.md /infer).
+# /infer, /infer_token and Triton generate: max_new_tokens defaults to 20, as in MindIE.
 # OpenAI-style max_tokens defaults to maxIterTimes instead: `TokenLimits.default_max_tokens`.
 DEFAULT_MAX_NEW_TOKENS = 20
-PROMPT_TOKENS_CAP = 1 << 20  # the "1MB" term of the /v1/completions prompt rule (seed 004)
-# Seed 000 writes the id range as "(1, 1024*1024]", which would refuse ids 0 and 1, ordinary
-# tokens in every BPE vocabulary (Qwen2: "!" and '"'); MINDIE.md reads the server as [0, 2^20].
+PROMPT_TOKENS_CAP = 1 << 20  # the "1MB" term of the /v1/completions prompt rule
+# MindIE documents the id range as "(1, 1024*1024]", which would refuse ids 0 and 1, ordinary
+# tokens in every BPE vocabulary (Qwen2: "!" and '"'; docs/apis.md#deliberate-choices).
 # A MindIE client sends tokenizer output unchanged, so we accept [0, 2^20]; the vocabulary
 # bound (id < vocab_size) is stricter for every real model and is the one that binds.
 MAX_TOKEN_ID = 1 << 20
@@ -63,25 +63,25 @@ class TokenLimits:
 
     @property
     def completion_prompt_limit(self) -> int:
-        # Seed 004, prompt: <= min(maxInputTokenLen, maxSeqLen-1, max_position_embeddings, 1MB).
+        # prompt: <= min(maxInputTokenLen, maxSeqLen-1, max_position_embeddings, 1MB).
         return self._with_pos(self.max_input_token_len, self.max_seq_len - 1, PROMPT_TOKENS_CAP)
 
     @property
     def chat_prompt_limit(self) -> int:
-        # Seed 002, messages: templated tokens <= min(maxSeqLen-maxIterTimes, max_pos_emb).
+        # chat messages: templated tokens <= min(maxSeqLen-maxIterTimes, max_pos_emb).
         return self._with_pos(self.max_seq_len - self.max_iter_times)
 
     @property
     def default_max_tokens(self) -> int:
-        return self.max_iter_times  # seeds 002 and 004: max_tokens defaults to maxIterTimes
+        return self.max_iter_times  # chat and completions: max_tokens defaults to maxIterTimes
 
     def _check_length(self, ids: Sequence[int], param: str, limit: int, rule: str) -> list[int]:
         n = len(ids)
         if 1 <= n <= limit:
             return list(ids)
-        # truncation=true "cuts silently" (MINDIE.md). Neither the seeds nor MINDIE.md say which
-        # end; we keep the last `limit` tokens like vLLM's truncate_prompt_tokens, because the
-        # tail (the question, the chat template's assistant header) is what generation continues.
+        # truncation=true cuts the prompt silently; MindIE does not say which end. We keep the
+        # last `limit` tokens like vLLM's truncate_prompt_tokens, because the tail (the question,
+        # the chat template's assistant header) is what generation continues.
         # An empty prompt, or a limit below 1 (e.g. maxIterTimes == maxSeqLen for chat), cannot
         # be fixed by cutting and is refused even with truncation on.
         if self.truncation and n > limit >= 1:
@@ -118,20 +118,20 @@ class TokenLimits:
 
         The request's own range ((0, 2147483647]) is the protocol's to check. A max_tokens above
         maxIterTimes is clamped, not refused: the documented output is min(maxIterTimes,
-        max_tokens) for every route (docs/apis.md, "Token-count rules").
+        max_tokens) for every route (docs/apis.md#token-count-rules).
         """
         if max_tokens is None:
             return self.max_iter_times
         return min(self.max_iter_times, max_tokens)
 
     def output_budget(self, prompt_len: int, max_tokens: int | None) -> int:
-        # MINDIE.md (non-PD): outputLen = min(maxSeqLen - inputLen, maxOutputLen); hitting it
+        # Colocated: outputLen = min(maxSeqLen - inputLen, maxOutputLen); hitting it
         # ends the request with finish_reason "length".
         return max(0, min(self.max_seq_len - prompt_len, self.max_output_tokens(max_tokens)))
 
     def pd_total_tokens(self, max_tokens: int | None) -> int:
-        # Seed 000 generated_tokens / MINDIE.md PD: P produces the first token, D the rest.
-        # When the limit is maxIterTimes (max_tokens absent or not smaller), D still runs
+        # PD (docs/apis.md#prefilldecode-infermode-dmi-rules): P produces the first token, D the
+        # rest. When the limit is maxIterTimes (max_tokens absent or not smaller), D still runs
         # maxIterTimes steps, so the total is maxIterTimes + 1; a smaller max_tokens is exact.
         limit = self.max_output_tokens(max_tokens)
         return limit + 1 if limit == self.max_iter_times else limit

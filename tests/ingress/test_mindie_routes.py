@@ -1,5 +1,6 @@
-"""POST /infer and /infer_token over the in-process app (demo-tiny): validation envelope, seed 000's
-shapes (stream and not), seeds, priority/timeout reaching the engine, and freed KV blocks."""
+"""POST /infer and /infer_token over the in-process app (demo-tiny): validation envelope, the
+documented shapes (stream and not), seeds, priority/timeout reaching the engine, and freed KV
+blocks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-SEED_000 = {
+EXAMPLE = {  # MindIE's documented /infer_token request
     "input_id": [5618, 19678, 701, 9072, 13],
     "stream": False,
     "parameters": {
@@ -97,8 +98,8 @@ def test_body_not_json(client):
 
 
 @pytest.mark.parametrize("route", ["/infer_token", "/infer"])
-def test_seed_000_example_non_stream(client, route):
-    body = {**SEED_000, **({} if route == "/infer_token" else {"input_id": None, **PROMPTS[route]})}
+def test_documented_example_non_stream(client, route):
+    body = {**EXAMPLE, **({} if route == "/infer_token" else {"input_id": None, **PROMPTS[route]})}
     response = client.post(route, json=body)
     assert response.status_code == 200, response.text
     out = response.json()
@@ -112,8 +113,8 @@ def test_seed_000_example_non_stream(client, route):
     assert set(client.post(route, json=no_details).json()) == {"generated_text"}
 
 
-def test_seed_000_example_stream(client):
-    response = client.post("/infer_token", json={**SEED_000, "stream": True})
+def test_documented_example_stream(client):
+    response = client.post("/infer_token", json={**EXAMPLE, "stream": True})
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/event-stream")
     got = events(response)

@@ -19,7 +19,7 @@ def test_chat_non_stream_and_stream(oai, kv_idle):
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
-    assert reply.choices[0].finish_reason == "length"  # MindIE's word, seed 002
+    assert reply.choices[0].finish_reason == "length"  # MindIE's word (chat)
     assert reply.usage.completion_tokens == 5
     chunks = list(
         oai.chat.completions.create(

@@ -1,7 +1,7 @@
 """/v1/chat/completions and /v1/completions over the in-process app (demo-tiny).
 
 Validation tables first (each bad value -> 400 in the OpenAI envelope, naming the parameter and
-its range; refused before any model work), then every request example of seeds 002 and 004,
+its range; refused before any model work), then MindIE's chat and completions request examples,
 exact stop strings, usage arithmetic and streaming, each leaving no KV block behind."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ COMPLETION_INVALID = [
     ("priority", 6, "priority", "[1, 5]"),
 ]
 
-COMPLETION_CROSS = [  # (fields, param named, message text): seed 004's cross-rules
+COMPLETION_CROSS = [  # (fields, param named, message text): the completions cross-rules
     ({"use_beam_search": True, "stop": "x"}, "stop", "use_beam_search"),
     ({"n": 2, "temperature": 0}, "temperature", "must be > 0"),
     ({"best_of": 2, "temperature": 0}, "temperature", "must be > 0"),
@@ -236,14 +236,15 @@ def check_usage(usage: dict) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
-SEED_002_SINGLE = {
+# MindIE's documented chat request examples (the model: the one served here)
+CHAT_SINGLE = {
     "model": "demo",
     "messages": [{"role": "user", "content": "You are a helpful assistant."}],
     "max_tokens": 20, "presence_penalty": 1.03, "frequency_penalty": 1.0, "seed": None,
     "temperature": 0.5, "top_p": 0.95, "stream": False,
 }  # fmt: skip
-SEED_002_MULTI = {
-    **SEED_002_SINGLE,
+CHAT_MULTI = {
+    **CHAT_SINGLE,
     "messages": [
         {"role": "system", "content": "You are a student who is good at math."},
         {"role": "user", "content": "what is your hobby?"},
@@ -258,8 +259,8 @@ def template_tokens(client, messages) -> int:
     return client.portal.call(pool.tokenize, req).num_prompt_tokens
 
 
-@pytest.mark.parametrize("example", [SEED_002_SINGLE, SEED_002_MULTI], ids=["single", "multi"])
-def test_chat_seed_examples(client, kv_idle, example):
+@pytest.mark.parametrize("example", [CHAT_SINGLE, CHAT_MULTI], ids=["single", "multi"])
+def test_chat_documented_examples(client, kv_idle, example):
     body = client.post("/v1/chat/completions", json=example).json()
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert body["object"] == "chat.completion" and body["model"] == "demo"
@@ -278,8 +279,8 @@ def test_chat_seed_examples(client, kv_idle, example):
     assert kv_idle()
 
 
-@pytest.mark.parametrize("example", [SEED_002_SINGLE, SEED_002_MULTI], ids=["single", "multi"])
-def test_chat_seed_examples_stream_match_non_stream(client, kv_idle, example):
+@pytest.mark.parametrize("example", [CHAT_SINGLE, CHAT_MULTI], ids=["single", "multi"])
+def test_chat_documented_examples_stream_match_non_stream(client, kv_idle, example):
     fixed = {**example, "seed": 11, "ignore_eos": True}
     whole = client.post("/v1/chat/completions", json=fixed).json()
     events = sse_events(client.post("/v1/chat/completions", json={**fixed, "stream": True}))
@@ -433,12 +434,13 @@ def test_completion_stop_token_id_and_token_id_prompt(client, kv_idle):
     assert kv_idle()
 
 
-SEED_004_STREAM = {
+# MindIE's documented completions request examples
+COMPLETION_EXAMPLE_STREAM = {
     "model": "demo", "prompt": "who are you", "temperature": 1, "max_tokens": 5,
     "use_beam_search": True, "ignore_eos": True, "n": 2, "best_of": 2, "stream": True,
     "logprobs": 2,
 }  # fmt: skip
-SEED_004_NON_STREAM = {
+COMPLETION_EXAMPLE_NON_STREAM = {
     "model": "demo", "prompt": "who are you", "temperature": 1, "max_tokens": 5,
     "ignore_eos": True, "n": 2, "best_of": 2, "stream": False, "logprobs": 2,
 }  # fmt: skip
@@ -456,7 +458,7 @@ def check_completion_body(body: dict, num_choices: int, num_tokens: int) -> None
         assert set(logprobs) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
         assert all(len(v) == num_tokens for v in logprobs.values())
         assert "".join(logprobs["tokens"]) == choice["text"]
-        assert logprobs["text_offset"][0] == offset  # runs on across choices (seed 004)
+        assert logprobs["text_offset"][0] == offset  # runs on across choices
         offset += len(choice["text"])
     usage = body["usage"]
     check_usage(usage)
@@ -465,14 +467,14 @@ def check_completion_body(body: dict, num_choices: int, num_tokens: int) -> None
     assert len(usage["batch_size"]) == len(usage["queue_wait_time"]) >= 1
 
 
-def test_completion_seed_stream_example_beam_search_is_one_event(client, kv_idle):
-    (event,) = sse_events(client.post("/v1/completions", json=SEED_004_STREAM))
+def test_completion_documented_stream_example_beam_search_is_one_event(client, kv_idle):
+    (event,) = sse_events(client.post("/v1/completions", json=COMPLETION_EXAMPLE_STREAM))
     check_completion_body(event, 2, 5)
     assert kv_idle()
 
 
-def test_completion_seed_non_stream_example(client, kv_idle):
-    body = client.post("/v1/completions", json=SEED_004_NON_STREAM).json()
+def test_completion_documented_non_stream_example(client, kv_idle):
+    body = client.post("/v1/completions", json=COMPLETION_EXAMPLE_NON_STREAM).json()
     check_completion_body(body, 2, 5)
     assert len(body["usage"]["batch_size"]) == 5  # one per step: the longest choice's tokens
     for choice in body["choices"]:

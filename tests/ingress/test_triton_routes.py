@@ -1,4 +1,4 @@
-"""Triton generate / generate_stream (seed 003) over the in-process app (demo-tiny): {"error"}
+"""Triton generate / generate_stream over the in-process app (demo-tiny): {"error"}
 envelope, response shapes, stop strings, timeouts, stopInfer and freed KV blocks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-SEED_003 = {
+GENERATE_EXAMPLE = {  # the generate request of Triton's documentation
     "id": "42",
     "text_input": "client input",
     "parameters": {"stream": False, "temperature": 0},
@@ -85,17 +85,17 @@ def test_unknown_model_or_version_is_404(client):
     assert_triton_error(client.post(versioned, json=body), 404, "version")
 
 
-def test_seed_003_example(client):
-    response = client.post(GEN, json=SEED_003)
+def test_documented_example(client):
+    response = client.post(GEN, json=GENERATE_EXAMPLE)
     assert response.status_code == 200, response.text
     out = response.json()
     assert list(out) == ["id", "model_name", "model_version", "text_output"]
     assert out["id"] == "42" and out["model_name"] == "demo" and out["model_version"] == "1"
     assert isinstance(out["text_output"], str) and out["text_output"]
-    assert client.post(GEN, json=SEED_003).json() == out  # temperature 0 is greedy
-    versioned = client.post("/v2/models/demo/versions/1/generate", json=SEED_003).json()
+    assert client.post(GEN, json=GENERATE_EXAMPLE).json() == out  # temperature 0 is greedy
+    versioned = client.post("/v2/models/demo/versions/1/generate", json=GENERATE_EXAMPLE).json()
     assert versioned == out
-    no_id = client.post(GEN, json={k: v for k, v in SEED_003.items() if k != "id"}).json()
+    no_id = client.post(GEN, json={k: v for k, v in GENERATE_EXAMPLE.items() if k != "id"}).json()
     assert "id" not in no_id and no_id["text_output"] == out["text_output"]
 
 

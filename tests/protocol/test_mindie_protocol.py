@@ -1,4 +1,4 @@
-"""/infer and /infer_token request rules (seed 000), response and SSE shapes; no model."""
+"""/infer and /infer_token request rules, response and SSE shapes; no model."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ BAD_PARAMETERS = [
 
 GOOD_PARAMETERS = [
     ("temperature", 1e-6),
-    ("temperature", 5),  # no upper bound in seed 000
+    ("temperature", 5),  # no upper bound on /infer
     ("top_k", 1),
     ("top_k", I32),
     ("top_p", 0.999),
@@ -98,7 +98,7 @@ def test_bad_prompt_and_stream_types(body, field):
     assert message_for(body).startswith(f"{field} ")
 
 
-def test_seed_000_example_is_valid_and_defaults():
+def test_documented_example_is_valid_and_defaults():
     body = {
         "input_id": [5618, 19678, 701, 9072, 13],
         "stream": False,
@@ -141,7 +141,7 @@ def _chunk(ids, texts, finished=False, reason=None, first=False):
     return ReplicaChunk("r", choices=[delta], steps=steps, finished=finished)
 
 
-def test_stream_events_follow_seed_000():
+def test_stream_events_follow_the_documented_shape():
     stream = InferStream(seed=99, with_details=True)
     events = stream.payloads(_chunk([10, 11], ["a", " b"], first=True))
     events += stream.payloads(_chunk([12, 13], [" c", " d"], finished=True, reason="length"))

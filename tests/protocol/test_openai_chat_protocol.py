@@ -1,5 +1,5 @@
 """Chat protocol without a model: request rules, the engine params a request becomes, and the
-seed 002 response / chunk shapes rendered from hand-made replica chunks."""
+response / chunk shapes rendered from hand-made replica chunks."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _delta(index=0, text="", finish=None, n=1, logprobs=None) -> ChoiceDelta:
     )  # fmt: skip
 
 
-def test_response_shape_is_seed_002():
+def test_response_shape():
     chunk = ReplicaChunk("r", choices=[_delta(text="Hello", finish="eos", n=2)], finished=True)
     body = chat_response("chatcmpl-1", 7, "demo", chunk, 9, want_logprobs=False)
     assert body == {

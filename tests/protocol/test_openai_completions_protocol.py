@@ -1,4 +1,4 @@
-"""Completions protocol without a model: seed 004's cross-rules, the engine params a request
+"""Completions protocol without a model: the cross-rules, the engine params a request
 becomes (n / best_of / beam search), logprobs offsets and usage on the final stream chunk."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def parse(**fields) -> CompletionRequest:
     return CompletionRequest.model_validate({"model": "demo", "prompt": "hi", **fields})
 
 
-# (fields, the parameter named) for every cross-rule of seed 004
+# (fields, the parameter named) for every cross-rule (docs/apis.md#openai-completions)
 CROSS_RULES = [
     ({"use_beam_search": True, "stop": "x"}, "stop"),
     ({"use_beam_search": True, "stop": ["x"], "stream": True}, "stop"),
@@ -153,7 +153,7 @@ def test_logprobs_shape_top_has_the_chosen_token_first():
     assert missing["text_offset"] == [4, 5] and missing["token_logprobs"] == [None, None]
 
 
-def test_response_shape_is_seed_004_with_offsets_running_across_choices():
+def test_response_shape_with_offsets_running_across_choices():
     chunk = ReplicaChunk(
         "r",
         choices=[

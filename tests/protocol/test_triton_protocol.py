@@ -1,4 +1,4 @@
-"""Triton generate request rules (seed 003 + MindIE's ranges) and response shapes, no model."""
+"""Triton generate request rules (MindIE's ranges) and response shapes, no model."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ BAD_PARAMETERS = [
 ]
 
 GOOD_PARAMETERS = [
-    ("temperature", 0),  # seed 003's example: 0 means greedy
+    ("temperature", 0),  # as in Triton's own example: 0 means greedy
     ("temperature", 1.7),
     ("top_p", 1.0),
     ("top_k", I32),
@@ -95,7 +95,7 @@ def test_bad_body_fields(body, field):
     assert message_for(body).startswith(f"{field} ")
 
 
-def test_seed_003_example_and_ignored_parameters():
+def test_documented_example_and_ignored_parameters():
     body = {
         "id": "42",
         "text_input": "client input",

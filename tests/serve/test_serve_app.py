@@ -1,5 +1,5 @@
-"""The app under Ray Serve, over real HTTP: placement, every family's seed example, the openai
-client, disconnects, stopInfer, readiness, metrics and the OpenAPI docs."""
+"""The app under Ray Serve, over real HTTP: placement, every family's documented example, the
+openai client, disconnects, stopInfer, readiness, metrics and the OpenAPI docs."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_ready_health_models_docs(http):
     assert http.get("/docs").status_code == 200
 
 
-def test_infer_token_seed_example(http, kv_idle_http):
+def test_infer_token_documented_example(http, kv_idle_http):
     body = {
         "input_id": [5618, 19678, 701, 9072, 13],
         "stream": False,
@@ -178,7 +178,7 @@ def test_non_stream_client_that_gives_up_leaves_nothing_behind(server, kv_idle_h
     assert kv_idle_http(10)
 
 
-SEED_EXAMPLES = [  # the request examples of seeds 002 and 004 (model: the one served here)
+DOC_EXAMPLES = [  # MindIE's chat and completions request examples, on the model served here
     ("/v1/chat/completions", {
         "model": "demo", "messages": [{"role": "user", "content": "You are a helpful assistant."}],
         "max_tokens": 20, "presence_penalty": 1.03, "frequency_penalty": 1.0, "seed": None,
@@ -199,15 +199,15 @@ SEED_EXAMPLES = [  # the request examples of seeds 002 and 004 (model: the one s
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("path, body", SEED_EXAMPLES)
+@pytest.mark.parametrize("path, body", DOC_EXAMPLES)
 @pytest.mark.parametrize("stream", [False, True])
-def test_seed_examples_over_http(http, kv_idle_http, path, body, stream):
+def test_documented_examples_over_http(http, kv_idle_http, path, body, stream):
     if body.get("use_beam_search") and not stream:
         body = {**body, "stream": False}
     elif not body.get("use_beam_search"):
         body = {**body, "stream": stream}
     if path == "/v1/completions" and body["stream"] and not body.get("use_beam_search"):
-        body = {**body, "n": 2, "best_of": 2}  # streaming needs best_of == n (seed 004)
+        body = {**body, "n": 2, "best_of": 2}  # streaming needs best_of == n
     if not body["stream"]:
         r = http.post(path, json=body)
         assert r.status_code == 200, r.text

@@ -88,7 +88,7 @@ def test_empty_or_impossible_prompt_refused_even_with_truncation(trunc):
 @pytest.mark.parametrize(
     "vocab, ids, ok",
     [
-        (1000, [0, 1, 999], True),  # 0 and 1 accepted despite seed 000's "(1, ..."
+        (1000, [0, 1, 999], True),  # 0 and 1 accepted despite the documented "(1, ..."
         (1000, [5, 1000], False),  # vocabulary binds
         (1000, [-1], False),
         (None, [MAX_TOKEN_ID], True),  # no vocab_size: the documented range only
