@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
-import json
 import logging
-import math
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -35,18 +33,24 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from machine import loadavg  # noqa: E402  (bench/machine.py, next to this script)
-from machine import machine_info as base_machine_info  # noqa: E402
+from common import (  # noqa: E402  (bench/common.py, next to this script)
+    RESULTS_DIR,
+    VOCAB_REGULAR,
+    Run,
+    gaps,
+    log,
+    machine_info,
+    percentile,
+    seeded_prompts,
+)
 
 from serve_app.engine import LLM, SamplingParams  # noqa: E402
 from serve_app.models.demo import ensure_demo_model  # noqa: E402
 from serve_app.models.loader import load_model  # noqa: E402
 
-VOCAB_REGULAR = 151643  # ids below this are regular BPE tokens (the specials follow)
 PAD_ID = 151643  # <|endoftext|>
 WARMUP_TOKENS = 4  # output tokens of every warm-up run
 WARMUP_SEED_OFFSET = 1_000_000  # the warm-up's prompts come from seed + this
-T0 = time.perf_counter()
 
 # (system key, label, target ratio ours/system or None, target text)
 SYSTEMS = [
@@ -66,18 +70,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize(device)
-
-
-def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB_REGULAR, (num, length), generator=gen).tolist()
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def timed_runs(fn: Callable[[list[list[int]]], list[list[int]]], prompt_sets, device):
@@ -115,13 +107,6 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     return {"identical": sum(same), "compared": len(same), "first_two": same[:2]}
 
 
-def machine_info() -> dict:
-    info = {**base_machine_info(), "torch_num_threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 # -- the systems --------------------------------------------------------------------------------
 
 
@@ -139,8 +124,7 @@ class TokenTimer(BaseStreamer):
 
     def token_gaps(self) -> list[float]:
         """Seconds between consecutive generated tokens (times[0] is the prompt, before prefill)."""
-        generated = self.times[1:]
-        return [b - a for a, b in zip(generated, generated[1:], strict=False)]
+        return gaps(self.times[1:])
 
 
 def build_ours(args, dtype: str) -> LLM:
@@ -168,7 +152,7 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> list[list[i
 def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list[float]:
     """Batch-1 decode latency: each request alone, every engine.step() after the first timed."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    engine, gaps = llm.engine, []
+    engine, step_seconds = llm.engine, []
     for i, prompt in enumerate(prompts):
         engine.add_request(f"latency-{i}-{time.monotonic_ns()}", prompt, params)
         first = True
@@ -176,16 +160,16 @@ def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list
             start = time.perf_counter()
             engine.step()
             if not first:
-                gaps.append(time.perf_counter() - start)
+                step_seconds.append(time.perf_counter() - start)
             first = False
-    return gaps
+    return step_seconds
 
 
 def cb_config(args) -> ContinuousBatchingConfig:
     per_seq = -(-(args.prompt_len + args.output_len) // args.cb_page_size) + 1
     return ContinuousBatchingConfig(
         page_size=args.cb_page_size,
-        num_blocks=args.requests * per_seq,  # fixed: on CPU it is otherwise sized from psutil
+        num_blocks=args.requests * per_seq,  # unset, CPU sizes it from host memory
         max_batch_tokens=args.prefill_tokens,
         max_requests_per_batch=args.requests,
     )
@@ -238,7 +222,7 @@ def run_hf_static(model, prompts, output_len: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def run_hf_one_at_a_time(model, prompts, output_len: int, gaps: list[float] | None = None):
+def run_hf_one_at_a_time(model, prompts, output_len: int, token_gaps: list[float] | None = None):
     device, results = model.device, []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
@@ -250,8 +234,8 @@ def run_hf_one_at_a_time(model, prompts, output_len: int, gaps: list[float] | No
             streamer=timer,
         )
         results.append(out[0, ids.shape[1] :].tolist())
-        if gaps is not None:
-            gaps.extend(timer.token_gaps())
+        if token_gaps is not None:
+            token_gaps.extend(timer.token_gaps())
     return results
 
 
@@ -275,126 +259,168 @@ def run_bare_loop(model, prompts, output_len: int) -> list[list[int]]:
 # -- one dtype ----------------------------------------------------------------------------------
 
 
-def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -> dict:
-    out_len, prompts = args.output_len, prompt_sets[0]
-    total = len(prompts) * out_len
-    systems: dict[str, dict] = {}
-    tokens: dict[str, list[list[int]]] = {}
+@dataclass
+class DtypeBench:
+    """One dtype's run: the workload, and every system's summary and tokens as they come."""
 
-    def log(message: str) -> None:
-        print(f"[{time.perf_counter() - T0:6.1f}s {dtype}] {message}", flush=True)
+    args: argparse.Namespace
+    dtype: str
+    prompt_sets: list[list[list[int]]]  # one set per timed repeat
+    warm_prompts: list[list[int]]
+    device: torch.device | None = None  # where our engine runs; the HF model follows it
+    systems: dict[str, dict] = field(default_factory=dict)
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)
 
-    # 1. ours
-    log("loading our engine ...")
-    llm = build_ours(args, dtype)
-    device = llm.engine.runner.device
-    ours_config = dataclasses.asdict(llm.config)
-    log(f"ours: warm-up, then {len(prompts)} requests on {device} ...")
-    run_ours(llm, warm_prompts, WARMUP_TOKENS)
-    seconds, tokens["ours"] = timed_runs(
-        partial(run_ours, llm, output_len=out_len), prompt_sets, device
-    )
-    systems["ours"] = summarize(seconds, sum(map(len, tokens["ours"])))
-    log(f"ours: {systems['ours']['tokens_per_s']:.1f} tok/s")
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.prompt_sets[0]
 
-    one = prompts[: args.one_at_a_time]
-    log(f"ours: batch-1 decode latency over {len(one)} requests ...")
-    ours_token_gaps(llm, warm_prompts[:1], WARMUP_TOKENS)
-    ours_gaps = ours_token_gaps(llm, one, out_len)
+    @property
+    def one(self) -> list[list[int]]:
+        """The requests measured one at a time (batch-1 latency, one-at-a-time generate)."""
+        return self.prompts[: self.args.one_at_a_time]
+
+    def log(self, message: str) -> None:
+        log(message, self.dtype)
+
+    def record(self, key: str, name: str, seconds: list[float], tokens, note: str = "") -> None:
+        self.systems[key] = summarize(seconds, sum(map(len, tokens)), note)
+        self.tokens[key] = tokens
+        self.log(f"{name}: {self.systems[key]['tokens_per_s']:.1f} tok/s")
+
+    def warm_then_time(self, key: str, name: str, run) -> None:
+        """A warm-up of `run` (model, prompts, output_len) on the warm-up prompts, then timed."""
+        run(self.warm_prompts, WARMUP_TOKENS)
+        seconds, tokens = timed_runs(
+            partial(run, output_len=self.args.output_len), self.prompt_sets, self.device
+        )
+        self.record(key, name, seconds, tokens)
+
+
+def measure_ours(bench: DtypeBench) -> tuple[dict, list[float]]:
+    """Our engine: throughput, then batch-1 decode gaps. Returns its config and the gaps."""
+    bench.log("loading our engine ...")
+    llm = build_ours(bench.args, bench.dtype)
+    bench.device = llm.engine.runner.device
+    config = dataclasses.asdict(llm.config)
+    bench.log(f"ours: warm-up, then {len(bench.prompts)} requests on {bench.device} ...")
+    bench.warm_then_time("ours", "ours", partial(run_ours, llm))
+
+    bench.log(f"ours: batch-1 decode latency over {len(bench.one)} requests ...")
+    ours_token_gaps(llm, bench.warm_prompts[:1], WARMUP_TOKENS)
+    token_gaps = ours_token_gaps(llm, bench.one, bench.args.output_len)
     del llm
     gc.collect()
+    return config, token_gaps
 
-    # HF baselines: a plain copy of the same weights with transformers' default attention.
-    model = load_model(model_path, getattr(torch, dtype), device)
-    attn = model.config._attn_implementation
-    log(f"transformers model loaded (attn_implementation={attn})")
 
-    # 2. transformers continuous batching
-    config = cb_config(args)
-    log("transformers CB: warm-up ...")
-    run_hf_cb(model, warm_prompts, WARMUP_TOKENS, config)
-    log("transformers CB: timed ...")
-    seconds, tokens["hf_cb"] = timed_runs(
-        partial(run_hf_cb, model, output_len=out_len, config=config), prompt_sets, device
+def measure_hf_cb(bench: DtypeBench, model) -> ContinuousBatchingConfig:
+    """transformers continuous batching; returns the CB config it ran with."""
+    config = cb_config(bench.args)
+    bench.log("transformers CB: warm-up ...")
+    run_hf_cb(model, bench.warm_prompts, WARMUP_TOKENS, config)
+    bench.log("transformers CB: timed ...")
+    seconds, tokens = timed_runs(
+        partial(run_hf_cb, model, output_len=bench.args.output_len, config=config),
+        bench.prompt_sets,
+        bench.device,
     )
     model.destroy_cached_continuous_batching_manager()
-    systems["hf_cb"] = summarize(
-        seconds,
-        sum(map(len, tokens["hf_cb"])),
+    note = (
         f"attn={model.config._attn_implementation}, page_size={config.page_size}, "
         f"num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
-        f"max_requests_per_batch={config.max_requests_per_batch}",
+        f"max_requests_per_batch={config.max_requests_per_batch}"
     )
-    log(f"transformers CB: {systems['hf_cb']['tokens_per_s']:.1f} tok/s")
+    bench.record("hf_cb", "transformers CB", seconds, tokens, note)
+    return config
 
-    # 3. static batch
-    log("static batch generate ...")
-    run_hf_static(model, warm_prompts, WARMUP_TOKENS)
-    seconds, tokens["hf_static"] = timed_runs(
-        partial(run_hf_static, model, output_len=out_len), prompt_sets, device
-    )
-    systems["hf_static"] = summarize(seconds, sum(map(len, tokens["hf_static"])))
-    log(f"static batch: {systems['hf_static']['tokens_per_s']:.1f} tok/s")
 
-    # 4. one at a time (the first N requests; tokens/s extrapolates to the whole workload)
-    log(f"one-at-a-time generate over the first {len(one)} requests ...")
-    run_hf_one_at_a_time(model, warm_prompts[:1], WARMUP_TOKENS)
+def measure_hf_one_at_a_time(bench: DtypeBench, model) -> list[float]:
+    """generate() on the first requests alone; tokens/s extrapolates to the whole workload.
+    Returns the gaps between generated tokens its streamer saw (batch-1 decode latency)."""
+    one, num = bench.one, len(bench.prompts)
+    bench.log(f"one-at-a-time generate over the first {len(one)} requests ...")
+    run_hf_one_at_a_time(model, bench.warm_prompts[:1], WARMUP_TOKENS)
     hf_gaps: list[float] = []
-    seconds, tokens["hf_one_at_a_time"] = timed_runs(
-        partial(run_hf_one_at_a_time, model, output_len=out_len, gaps=hf_gaps),
-        [p[: args.one_at_a_time] for p in prompt_sets],
-        device,
+    seconds, tokens = timed_runs(
+        partial(run_hf_one_at_a_time, model, output_len=bench.args.output_len, token_gaps=hf_gaps),
+        [p[: bench.args.one_at_a_time] for p in bench.prompt_sets],
+        bench.device,
     )
     note = ""
-    if len(one) < len(prompts):
-        whole = statistics.median(seconds) * len(prompts) / len(one)
+    if len(one) < num:
+        whole = statistics.median(seconds) * num / len(one)
         note = (
-            f"measured on the first {len(one)} of {len(prompts)} requests; tokens/s extrapolated"
+            f"measured on the first {len(one)} of {num} requests; tokens/s extrapolated"
             f" (the whole workload would take ~{whole:.1f} s)"
         )
-    systems["hf_one_at_a_time"] = summarize(
-        seconds, sum(map(len, tokens["hf_one_at_a_time"])), note
-    )
-    log(f"one at a time: {systems['hf_one_at_a_time']['tokens_per_s']:.1f} tok/s")
+    bench.record("hf_one_at_a_time", "one at a time", seconds, tokens, note)
+    return hf_gaps
 
-    # 5. bare forward loop
-    log("bare forward loop ...")
-    run_bare_loop(model, warm_prompts, WARMUP_TOKENS)
-    seconds, tokens["bare_loop"] = timed_runs(
-        partial(run_bare_loop, model, output_len=out_len), prompt_sets, device
-    )
-    systems["bare_loop"] = summarize(seconds, sum(map(len, tokens["bare_loop"])))
-    log(f"bare loop: {systems['bare_loop']['tokens_per_s']:.1f} tok/s")
+
+def measure_hf(
+    bench: DtypeBench, model_path: Path
+) -> tuple[str, ContinuousBatchingConfig, list[float]]:
+    """The transformers systems on a plain copy of the same weights with its default attention.
+    Returns the attention implementation, the CB config and the one-at-a-time token gaps."""
+    model = load_model(model_path, getattr(torch, bench.dtype), bench.device)
+    attn = model.config._attn_implementation
+    bench.log(f"transformers model loaded (attn_implementation={attn})")
+    config = measure_hf_cb(bench, model)
+    bench.log("static batch generate ...")
+    bench.warm_then_time("hf_static", "static batch", partial(run_hf_static, model))
+    hf_gaps = measure_hf_one_at_a_time(bench, model)
+    bench.log("bare forward loop ...")
+    bench.warm_then_time("bare_loop", "bare loop", partial(run_bare_loop, model))
     del model
     gc.collect()
+    return attn, config, hf_gaps
 
-    bad = {k: v["output_tokens"] for k, v in systems.items() if k != "hf_one_at_a_time"}
-    bad = {k: n for k, n in bad.items() if n != total}
+
+def check_output_tokens(bench: DtypeBench) -> None:
+    """Warn when a system that ran the whole workload produced a different number of tokens."""
+    total = len(bench.prompts) * bench.args.output_len
+    counts = {k: v["output_tokens"] for k, v in bench.systems.items() if k != "hf_one_at_a_time"}
+    bad = {k: n for k, n in counts.items() if n != total}
     if bad:
-        log(f"WARNING: expected {total} output tokens, got {bad}")
+        bench.log(f"WARNING: expected {total} output tokens, got {bad}")
 
+
+def ratios_ours_over(systems: dict[str, dict]) -> dict:
     ours_tps = systems["ours"]["tokens_per_s"]
     ratios = {}
     for key, _label, target, _text in SYSTEMS[1:]:
         ratio = ours_tps / systems[key]["tokens_per_s"]
         met = None if target is None else ratio >= target
         ratios[key] = {"ratio": ratio, "target": target, "met": met}
+    return ratios
+
+
+def batch1_latency(requests: int, ours_gaps: list[float], hf_gaps: list[float]) -> dict:
     latency = {
         "method": (
             "ours: wall time of each engine.step() after the first (prefill) step, one request"
             " alone; transformers: gaps between consecutive generated tokens seen by a streamer"
             " in one-at-a-time generate(); p50 over all gaps of the measured requests"
         ),
-        "requests": len(one),
+        "requests": requests,
         "ours_p50_ms": 1e3 * statistics.median(ours_gaps),
         "ours_p90_ms": 1e3 * percentile(ours_gaps, 0.9),
         "hf_generate_p50_ms": 1e3 * statistics.median(hf_gaps),
         "hf_generate_p90_ms": 1e3 * percentile(hf_gaps, 0.9),
     }
     latency["ratio_hf_over_ours"] = latency["hf_generate_p50_ms"] / latency["ours_p50_ms"]
-    agree = {key: agreement(tokens["ours"], tokens[key]) for key, *_ in SYSTEMS[1:]}
+    return latency
+
+
+def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -> dict:
+    bench = DtypeBench(args, dtype, prompt_sets, warm_prompts)
+    ours_config, ours_gaps = measure_ours(bench)
+    attn, config, hf_gaps = measure_hf(bench, model_path)
+    check_output_tokens(bench)
+    tokens = bench.tokens
     return {
-        "device": str(device),
+        "device": str(bench.device),
         "ours_config": ours_config,
         "hf_cb_config": {
             "page_size": config.page_size,
@@ -403,10 +429,12 @@ def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -
             "max_requests_per_batch": config.max_requests_per_batch,
         },
         "hf_attn_implementation": attn,
-        "systems": systems,
-        "ratios_ours_over": ratios,
-        "batch1_decode_latency": latency,
-        "agreement_with_ours": agree,
+        "systems": bench.systems,
+        "ratios_ours_over": ratios_ours_over(bench.systems),
+        "batch1_decode_latency": batch1_latency(len(bench.one), ours_gaps, hf_gaps),
+        "agreement_with_ours": {
+            key: agreement(tokens["ours"], tokens[key]) for key, *_ in SYSTEMS[1:]
+        },
     }
 
 
@@ -444,7 +472,7 @@ def print_report(dtype: str, result: dict) -> None:
 # -- main ---------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--dtype",
@@ -496,6 +524,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="JSON result (default bench/results/engine.json, engine-quick.json with --quick)",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {
@@ -516,9 +549,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 (per-token latency needs two tokens)")
     if args.out is None:
-        name = "engine-quick.json" if quick else "engine.json"
-        args.out = ROOT / "bench" / "results" / name
+        args.out = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
     return args
+
+
+def print_header(args, run: Run) -> None:
+    machine = run.machine
+    threads = "set by --threads" if args.threads is not None else "torch default"
+    print(
+        f"workload: {args.requests} requests x {args.prompt_len}-token prompts x "
+        f"{args.output_len} output tokens, greedy, ignore_eos; repeats={args.repeats}"
+    )
+    print(
+        f"machine: {machine['cpu_model']}, {machine['cpus_usable']} usable CPUs, "
+        f"torch {machine['torch']} ({machine['torch_num_threads']} threads, {threads}), "
+        f"transformers {machine['transformers']}; loadavg {run.loadavg_start}"
+    )
+
+
+def workload_record(args) -> dict:
+    """The workload as the JSON result describes it."""
+    return {
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "prompt_ids": (
+            f"uniform in [0, {VOCAB_REGULAR}), torch.Generator seed {args.seed} (+ r for repeat r)"
+        ),
+        "sampling": "greedy, ignore_eos (transformers: eos -1 / min_new_tokens)",
+        "one_at_a_time_requests": args.one_at_a_time,
+        "repeats": args.repeats,
+        "warmup": f"{args.requests} other prompts x {WARMUP_TOKENS} tokens per system",
+        "quick": args.quick,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -528,57 +591,29 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # per-call chatter
     transformers.logging.set_verbosity_error()
-    started = datetime.datetime.now().astimezone()
-    machine = machine_info()
-    machine["threads_set_by_bench"] = args.threads is not None
-    threads = "set by --threads" if args.threads is not None else "torch default"
-    load_start = loadavg()
-    print(
-        f"workload: {args.requests} requests x {args.prompt_len}-token prompts x "
-        f"{args.output_len} output tokens, greedy, ignore_eos; repeats={args.repeats}"
+    gpu = {"gpu": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {}
+    run = Run.begin(
+        machine_info(
+            ("torch", "transformers"),
+            torch_num_threads=torch.get_num_threads(),
+            **gpu,
+            threads_set_by_bench=args.threads is not None,
+        )
     )
-    print(
-        f"machine: {machine['cpu_model']}, {machine['cpus_usable']} usable CPUs, "
-        f"torch {machine['torch']} ({machine['torch_num_threads']} threads, {threads}), "
-        f"transformers {machine['transformers']}; loadavg {load_start}"
-    )
+    print_header(args, run)
     model_path = ensure_demo_model("demo")
     # Repeat r uses seed + r; the warm-up has prompts of its own (so no prefix cache hits).
     prompt_sets = [
-        make_prompts(args.requests, args.prompt_len, args.seed + r) for r in range(args.repeats)
+        seeded_prompts(args.requests, args.prompt_len, args.seed + r) for r in range(args.repeats)
     ]
-    warm_prompts = make_prompts(args.requests, args.prompt_len, args.seed + WARMUP_SEED_OFFSET)
+    warm_prompts = seeded_prompts(args.requests, args.prompt_len, args.seed + WARMUP_SEED_OFFSET)
 
     results = {}
     for dtype in args.dtype:
         results[dtype] = bench_dtype(args, dtype, prompt_sets, warm_prompts, model_path)
         print_report(dtype, results[dtype])
 
-    report = {
-        "date": started.isoformat(timespec="seconds"),
-        "wall_s": (datetime.datetime.now().astimezone() - started).total_seconds(),
-        "machine": machine,
-        "loadavg_start": load_start,
-        "loadavg_end": loadavg(),
-        "workload": {
-            "requests": args.requests,
-            "prompt_len": args.prompt_len,
-            "output_len": args.output_len,
-            "prompt_ids": (
-                f"uniform in [0, {VOCAB_REGULAR}), torch.Generator seed {args.seed}"
-                " (+ r for repeat r)"
-            ),
-            "sampling": "greedy, ignore_eos (transformers: eos -1 / min_new_tokens)",
-            "one_at_a_time_requests": args.one_at_a_time,
-            "repeats": args.repeats,
-            "warmup": f"{args.requests} other prompts x {WARMUP_TOKENS} tokens per system",
-            "quick": args.quick,
-        },
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    run.write(args.out, workload=workload_record(args), results=results)
     return 0
 
 

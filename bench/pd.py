@@ -7,8 +7,8 @@
 One Ray instance (2 CPUs), one Serve HTTP proxy; the app is deployed twice in turn with the same
 model and limits: colocated (inferMode standard, one ModelReplica with num_cpus 2) and PD
 (inferMode dmi, one PrefillReplica and one DecodeReplica with num_cpus 1 each). Against each,
-the same mixed workload runs over HTTP: `--clients` short chats looping back to back plus one
-long prompt every `--long-every` seconds. TTFT and inter-token latency of the short chats are
+the same mixed workload runs over HTTP: `--clients` loops of short requests back to back plus one
+long prompt every `--long-every` seconds. TTFT and inter-token latency of the short requests are
 measured client-side; the KV hand-off cost comes from /metrics. See bench/README.md.
 """
 
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import math
 import random
 import socket
 import statistics
@@ -33,20 +31,26 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from machine import loadavg  # noqa: E402  (bench/machine.py, next to this script)
-from machine import machine_info as base_machine_info  # noqa: E402
+from common import (  # noqa: E402  (bench/common.py, next to this script)
+    RESULTS_DIR,
+    Run,
+    gaps,
+    loadavg,
+    log,
+    machine_info,
+    percentile_ms,
+    random_token_ids,
+)
 
 from serve_app.app import build_app  # noqa: E402
 
 APP = "serve_app_bench_pd"
 MODEL_NAME = "demo"  # the served name; --model picks the weights
-VOCAB_REGULAR = 151643  # ids below this are regular BPE tokens (the specials follow)
-T0 = time.perf_counter()
 MODES = {
     "colocated": "inferMode standard: 1 ModelReplica, num_cpus 2",
     "pd": "inferMode dmi: 1 PrefillReplica (num_cpus 1) + 1 DecodeReplica (num_cpus 1)",
 }
-# (figure key in the short-chat summary, label, lower is better)
+# (figure key in the short-request summary, label) for the report's table
 FIGURES = [
     ("ttft_p50_ms", "TTFT p50 (ms)"),
     ("ttft_p99_ms", "TTFT p99 (ms)"),
@@ -56,32 +60,14 @@ FIGURES = [
     ("tokens_per_s", "short-chat tokens/s"),
     ("requests_per_s", "short-chat requests/s"),
 ]
-ITL_P99_TARGET = 2.0
-QUIET = {
-    "log_level": "WARNING",
-    "enable_access_log": False,
-}  # no Serve line per request  # colocated p99 inter-token latency / PD's
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - T0:6.1f}s] {message}", flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+ITL_P99_TARGET = 2.0  # colocated p99 inter-token latency / PD's
+QUIET = {"log_level": "WARNING", "enable_access_log": False}  # no Serve log line per request
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def machine_info() -> dict:
-    return base_machine_info(("torch", "ray", "transformers", "httpx"))
 
 
 # -- the application ----------------------------------------------------------------------------
@@ -133,7 +119,8 @@ def wait_ready(url: str, timeout_s: float) -> float:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """/metrics as {sample name: value summed over every label set} plus the PD stage sums."""
+    """/metrics as {sample name: value summed over every label set}; the PD TTFT stage
+    histogram's _sum and _count are kept apart per stage (as "name:stage")."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -168,16 +155,16 @@ class Record:
     def ttft(self) -> float | None:
         return self.token_times[0] - self.start if self.token_times else None
 
-    def gaps(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+    def token_gaps(self) -> list[float]:
+        return gaps(self.token_times)
 
 
 class Prompts:
     """Fresh prompts for every request (no prefix-cache hits across requests).
 
     infer_token: uniform random regular token ids of exactly the asked length. chat: random words
-    from the demo tokenizer's regular vocabulary, grown until the text is `length` tokens long.
+    from the first 5000 entries of the demo tokenizer's vocabulary, added until the text is at
+    least `length` tokens long.
     """
 
     def __init__(self, api: str, seed: int, model_path: Path | None) -> None:
@@ -194,7 +181,7 @@ class Prompts:
 
     def make(self, length: int):
         if self.api == "infer_token":
-            return [self.rng.randrange(VOCAB_REGULAR) for _ in range(length)]
+            return random_token_ids(self.rng, length)
         words: list[str] = []
         while len(self.tokenizer.encode(" ".join(words))) < length:
             words += self.rng.sample(self.words, max(1, (length - len(words)) // 2))
@@ -216,6 +203,22 @@ def request_body(api: str, prompt, max_tokens: int) -> tuple[str, dict]:
     }
 
 
+def note_event(rec: Record, api: str, event: dict, now: float) -> None:
+    """One streamed event of rec's request: a token's arrival time, and the server's counts."""
+    if api == "infer_token":
+        if event.get("token") is not None:
+            rec.token_times.append(now)
+        if event.get("details"):
+            rec.output_tokens = event["details"].get("generated_tokens")
+        return
+    if event.get("usage"):
+        rec.prompt_tokens = event["usage"]["prompt_tokens"]
+        rec.output_tokens = event["usage"]["completion_tokens"]
+    choices = event.get("choices") or []
+    if choices and choices[0].get("delta", {}).get("content"):
+        rec.token_times.append(now)
+
+
 async def send(client: httpx.AsyncClient, api: str, kind: str, prompt, max_tokens: int) -> Record:
     path, body = request_body(api, prompt, max_tokens)
     rec = Record(kind, time.perf_counter(), len(prompt) if api == "infer_token" else 0)
@@ -234,18 +237,7 @@ async def send(client: httpx.AsyncClient, api: str, kind: str, prompt, max_token
                 if "error" in event:
                     rec.error = str(event)[:300]
                     break
-                if api == "infer_token":
-                    if event.get("token") is not None:
-                        rec.token_times.append(now)
-                    if event.get("details"):
-                        rec.output_tokens = event["details"].get("generated_tokens")
-                else:
-                    if event.get("usage"):
-                        rec.prompt_tokens = event["usage"]["prompt_tokens"]
-                        rec.output_tokens = event["usage"]["completion_tokens"]
-                    choices = event.get("choices") or []
-                    if choices and choices[0].get("delta", {}).get("content"):
-                        rec.token_times.append(now)
+                note_event(rec, api, event, now)
     except httpx.HTTPError as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -330,42 +322,62 @@ async def handoff_probes(url: str, args, prompts: Prompts) -> list[dict]:
 # -- summaries ----------------------------------------------------------------------------------
 
 
-def summarize(records: list[Record], t0: float, t_end: float, args) -> dict:
+def ttft_split(shorts: list[Record], records: list[Record]) -> dict:
+    """Short-request TTFT split by whether a long prompt was in flight while it waited."""
+    spans = [(r.start, r.end) for r in records if r.kind == "long"]
+    hit, clear = [], []
+    for r in shorts:
+        if r.ttft is not None:
+            busy = any(a < r.token_times[0] and r.start < b for a, b in spans)
+            (hit if busy else clear).append(r.ttft)
+    return {
+        "long_in_flight": {"requests": len(hit), "p50_ms": percentile_ms(hit, 0.5)},
+        "no_long_in_flight": {"requests": len(clear), "p50_ms": percentile_ms(clear, 0.5)},
+    }
+
+
+def short_figures(shorts: list[Record], t0: float, records: list[Record]) -> dict:
+    """The short requests' TTFT, inter-token latency and throughput."""
+    ttfts = [r.ttft for r in shorts if r.ttft is not None]
+    itl = [g for r in shorts for g in r.token_gaps()]
+    later = [g for r in shorts for g in r.token_gaps()[1:]]  # without the first->second gap
+    tokens = sum(len(r.token_times) for r in shorts)
+    window = (max(r.end for r in shorts) - t0) if shorts else float("nan")
+    figures = {
+        "requests": len(shorts),
+        "token_events": tokens,
+        "token_events_per_request": sorted({len(r.token_times) for r in shorts}),
+        "generated_tokens_per_request": sorted(
+            {r.output_tokens for r in shorts if r.output_tokens is not None}
+        ),
+        "prompt_tokens_per_request": sorted({r.prompt_tokens for r in shorts}),
+        "ttft_p50_ms": percentile_ms(ttfts, 0.5),
+        "ttft_p99_ms": percentile_ms(ttfts, 0.99),
+        "ttft_max_ms": 1e3 * max(ttfts) if ttfts else None,
+        "itl_samples": len(itl),
+        "itl_p50_ms": percentile_ms(itl, 0.5),
+        "itl_p90_ms": percentile_ms(itl, 0.9),
+        "itl_p99_ms": percentile_ms(itl, 0.99),
+        "itl_max_ms": 1e3 * max(itl) if itl else None,
+        "itl_after_second_token_p50_ms": percentile_ms(later, 0.5),
+        "itl_after_second_token_p99_ms": percentile_ms(later, 0.99),
+        "window_s": window,
+        "tokens_per_s": tokens / window if shorts else None,
+        "requests_per_s": len(shorts) / window if shorts else None,
+    }
+    if ttfts:
+        figures["ttft_mean_ms"] = 1e3 * statistics.fmean(ttfts)
+    figures["ttft_split"] = ttft_split(shorts, records)
+    return figures
+
+
+def summarize_records(records: list[Record], t0: float, t_end: float) -> dict:
+    """The measured window's figures: short requests, long ones, errors, overall throughput."""
     shorts = [r for r in records if r.kind == "short" and r.error is None]
     longs = [r for r in records if r.kind == "long" and r.error is None]
     errors = [r.error for r in records if r.error is not None]
-    ttfts = [r.ttft for r in shorts if r.ttft is not None]
-    gaps = [g for r in shorts for g in r.gaps()]
-    later_gaps = [g for r in shorts for g in r.gaps()[1:]]  # without the first->second token gap
-    tokens = sum(len(r.token_times) for r in shorts)
-    window = (max(r.end for r in shorts) - t0) if shorts else float("nan")
-    short_counts = sorted({len(r.token_times) for r in shorts})
-    server_counts = sorted({r.output_tokens for r in shorts if r.output_tokens is not None})
-
-    def ms(values: list[float], q: float) -> float | None:
-        return 1e3 * percentile(values, q) if values else None
-
-    summary = {
-        "short": {
-            "requests": len(shorts),
-            "token_events": tokens,
-            "token_events_per_request": short_counts,
-            "generated_tokens_per_request": server_counts,
-            "prompt_tokens_per_request": sorted({r.prompt_tokens for r in shorts}),
-            "ttft_p50_ms": ms(ttfts, 0.5),
-            "ttft_p99_ms": ms(ttfts, 0.99),
-            "ttft_max_ms": 1e3 * max(ttfts) if ttfts else None,
-            "itl_samples": len(gaps),
-            "itl_p50_ms": ms(gaps, 0.5),
-            "itl_p90_ms": ms(gaps, 0.9),
-            "itl_p99_ms": ms(gaps, 0.99),
-            "itl_max_ms": 1e3 * max(gaps) if gaps else None,
-            "itl_after_second_token_p50_ms": ms(later_gaps, 0.5),
-            "itl_after_second_token_p99_ms": ms(later_gaps, 0.99),
-            "window_s": window,
-            "tokens_per_s": tokens / window if shorts else None,
-            "requests_per_s": len(shorts) / window if shorts else None,
-        },
+    return {
+        "short": short_figures(shorts, t0, records),
         "long": {
             "requests": len(longs),
             "prompt_tokens": [r.prompt_tokens for r in longs],
@@ -378,20 +390,6 @@ def summarize(records: list[Record], t0: float, t_end: float, args) -> dict:
         "wall_s": t_end - t0,
         "total_output_tokens_per_s": sum(len(r.token_times) for r in shorts + longs) / (t_end - t0),
     }
-    if summary["short"]["ttft_p50_ms"] is not None:
-        summary["short"]["ttft_mean_ms"] = 1e3 * statistics.fmean(ttfts)
-    # TTFT split by whether a long prompt was in flight while the short one waited for its token
-    spans = [(r.start, r.end) for r in records if r.kind == "long"]
-    hit, clear = [], []
-    for r in shorts:
-        if r.ttft is not None:
-            busy = any(a < r.token_times[0] and r.start < b for a, b in spans)
-            (hit if busy else clear).append(r.ttft)
-    summary["short"]["ttft_split"] = {
-        "long_in_flight": {"requests": len(hit), "p50_ms": ms(hit, 0.5)},
-        "no_long_in_flight": {"requests": len(clear), "p50_ms": ms(clear, 0.5)},
-    }
-    return summary
 
 
 def pd_metrics(before: dict, after: dict, records: list[Record]) -> dict:
@@ -475,7 +473,7 @@ def bench_mode(mode: str, args, url: str, prompts: Prompts) -> dict:
         records, t0, t_end = asyncio.run(workload(url, args, prompts))
         after = scrape(url)
         result = {"topology": MODES[mode], "ready_s": ready_s, "loadavg_start": load_start}
-        result.update(summarize(records, t0, t_end, args))
+        result.update(summarize_records(records, t0, t_end))
         result["loadavg_end"] = loadavg()
         s = result["short"]
         log(
@@ -511,8 +509,8 @@ def ratios(results: dict) -> dict:
     return out
 
 
-def print_report(results: dict, rat: dict) -> None:
-    modes = [m for m in ("colocated", "pd") if m in results]
+def print_table(results: dict, rat: dict, modes: list[str]) -> None:
+    """The short-request figures of each mode side by side, with their ratio and the target."""
     print(f"\n{'short chats':<26}" + "".join(f"{m:>12}" for m in modes) + f"{'ratio':>10}")
     for key, label in FIGURES:
         row = f"{label:<26}"
@@ -526,6 +524,10 @@ def print_report(results: dict, rat: dict) -> None:
     if "itl_p99_ms" in rat:
         met = "met" if rat["itl_p99_met"] else "NOT met"
         print(f"  target: PD cuts p99 inter-token latency >= {ITL_P99_TARGET:g}x: {met}")
+
+
+def print_mode_counts(results: dict, modes: list[str]) -> None:
+    """Per mode: request and error counts, load averages, and the TTFT split."""
     for m in modes:
         r = results[m]
         lg = r["long"]
@@ -541,36 +543,47 @@ def print_report(results: dict, rat: dict) -> None:
             if v["p50_ms"] is not None
         ]
         print(f"    short TTFT, {'; '.join(parts)}")
+
+
+def print_handoff(pd: dict) -> None:
+    """The PD run's KV hand-off cost: under load, by TTFT stage, and for lone probes."""
+    h = pd["kv_handoff"]
+    per_1k = h["handoff_ms_per_1k_prompt_tokens"]
+    per_tok = h["kv_bytes_per_prompt_token"]
+    print(
+        f"\nKV hand-off over the PD run: {h['handoffs']:.0f} hand-offs, mean "
+        f"{h['handoff_mean_ms'] or float('nan'):.2f} ms, {h['kv_transfer_bytes'] / 1e6:.1f} MB "
+        f"for {h['prompt_tokens_handed_off']} prompt tokens -> "
+        f"{per_1k or float('nan'):.2f} ms and {(per_tok or 0) * 1e3 / 1e6:.2f} MB "
+        "per 1k prompt tokens"
+    )
+    stages = ", ".join(
+        f"{k} {v['mean_ms']:.1f}" for k, v in h["ttft_stages"].items() if v["mean_ms"]
+    )
+    print(f"  PD TTFT stages (mean ms over all requests): {stages}")
+    p = pd["kv_handoff_probes"]
+    for kind in ("short", "long"):
+        if kind in p:
+            g = p[kind]
+            print(
+                f"  alone, {g['prompt_tokens']:.0f}-token prompt: hand-off "
+                f"{g['handoff_ms_median']:.2f} ms (median), {g['bytes_median'] / 1e6:.2f} MB"
+            )
+    if "long" in p:
+        print(
+            f"  -> {p['long']['handoff_ms_per_1k_tokens']:.2f} ms per 1k prompt tokens "
+            f"(long prompt alone); marginal "
+            f"{p.get('marginal_ms_per_1k_tokens') or float('nan'):.2f} ms per 1k tokens"
+        )
+
+
+def print_report(results: dict, rat: dict) -> None:
+    modes = [m for m in ("colocated", "pd") if m in results]
+    print_table(results, rat, modes)
+    print_mode_counts(results, modes)
     pd = results.get("pd")
     if pd and "kv_handoff" in pd:
-        h = pd["kv_handoff"]
-        per_1k = h["handoff_ms_per_1k_prompt_tokens"]
-        per_tok = h["kv_bytes_per_prompt_token"]
-        print(
-            f"\nKV hand-off over the PD run: {h['handoffs']:.0f} hand-offs, mean "
-            f"{h['handoff_mean_ms'] or float('nan'):.2f} ms, {h['kv_transfer_bytes'] / 1e6:.1f} MB "
-            f"for {h['prompt_tokens_handed_off']} prompt tokens -> "
-            f"{per_1k or float('nan'):.2f} ms and {(per_tok or 0) * 1e3 / 1e6:.2f} MB "
-            "per 1k prompt tokens"
-        )
-        stages = ", ".join(
-            f"{k} {v['mean_ms']:.1f}" for k, v in h["ttft_stages"].items() if v["mean_ms"]
-        )
-        print(f"  PD TTFT stages (mean ms over all requests): {stages}")
-        p = pd["kv_handoff_probes"]
-        for kind in ("short", "long"):
-            if kind in p:
-                g = p[kind]
-                print(
-                    f"  alone, {g['prompt_tokens']:.0f}-token prompt: hand-off "
-                    f"{g['handoff_ms_median']:.2f} ms (median), {g['bytes_median'] / 1e6:.2f} MB"
-                )
-        if "long" in p:
-            print(
-                f"  -> {p['long']['handoff_ms_per_1k_tokens']:.2f} ms per 1k prompt tokens "
-                f"(long prompt alone); marginal "
-                f"{p.get('marginal_ms_per_1k_tokens') or float('nan'):.2f} ms per 1k tokens"
-            )
+        print_handoff(pd)
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -599,7 +612,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-iter", type=int, default=64, help="maxIterTimes")
     parser.add_argument("--block-size", type=int, default=128, help="cacheBlockSize (16-128)")
     parser.add_argument(
-        "--kv-blocks", type=int, default=None, help="kvCacheBlocks (default 8 x maxSeqLen)"
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="kvCacheBlocks (default: room for 8 sequences of maxSeqLen)",
     )
     parser.add_argument("--probes", type=int, default=3, help="PD hand-off probes per length")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
@@ -623,20 +639,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kv_blocks is None:
         args.kv_blocks = 8 * -(-args.max_seq_len // args.block_size)
     if args.out is None:
-        args.out = ROOT / "bench" / "results" / ("pd-quick.json" if args.quick else "pd.json")
+        args.out = RESULTS_DIR / ("pd-quick.json" if args.quick else "pd.json")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import ray
-    from ray import serve
-
-    from serve_app.models.demo import ensure_demo_model
-
-    started = datetime.datetime.now().astimezone()
-    machine = machine_info()
-    load_start = loadavg()
+def print_header(args, run: Run) -> None:
+    machine = run.machine
     print(
         f"workload: {args.clients} short-chat loops ({args.short_len}-token prompts x "
         f"{args.short_out} tokens) + one {args.long_len}-token prompt x {args.long_out} tokens "
@@ -645,10 +653,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model} ({args.dtype}), maxSeqLen {args.max_seq_len}, cacheBlockSize "
         f"{args.block_size}, kvCacheBlocks {args.kv_blocks}; machine: {machine['cpu_model']}, "
-        f"{machine['cpus_usable']} usable CPUs; loadavg {load_start}"
+        f"{machine['cpus_usable']} usable CPUs; loadavg {run.loadavg_start}"
     )
-    model_path = ensure_demo_model(args.model)  # built once here, not inside a replica
-    prompts = Prompts(args.api, args.seed, model_path)
+
+
+def run_modes(args, prompts: Prompts) -> dict[str, dict]:
+    """Start Ray and a Serve proxy, benchmark each mode in turn, then shut both down."""
+    import ray
+    from ray import serve
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     results: dict[str, dict] = {}
@@ -663,37 +676,47 @@ def main(argv: list[str] | None = None) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+    return results
+
+
+def workload_record(args) -> dict:
+    """The workload as the JSON result describes it."""
+    return {
+        "api": args.api,
+        "clients": args.clients,
+        "short": f"{args.short_len}-token prompts x {args.short_out} output tokens, looped",
+        "long": f"{args.long_len}-token prompt x {args.long_out} output tokens "
+        f"every {args.long_every:g} s (first at {args.long_every / 2:g} s)",
+        "duration_s": args.duration,
+        "prompts": (
+            f"fresh per request: uniform random regular token ids, random.Random({args.seed})"
+            if args.api == "infer_token"
+            else f"fresh per request: random demo-tokenizer words, random.Random({args.seed})"
+        ),
+        "sampling": "greedy"
+        + (", ignore_eos" if args.api == "chat" else " (the demo model emits no EOS)"),
+        "quick": args.quick,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from serve_app.models.demo import ensure_demo_model
+
+    run = Run.begin(machine_info(("torch", "ray", "transformers", "httpx")))
+    print_header(args, run)
+    model_path = ensure_demo_model(args.model)  # built once here, not inside a replica
+    prompts = Prompts(args.api, args.seed, model_path)
+    results = run_modes(args, prompts)
     rat = ratios(results)
     print_report(results, rat)
-    report = {
-        "date": started.isoformat(timespec="seconds"),
-        "wall_s": (datetime.datetime.now().astimezone() - started).total_seconds(),
-        "machine": machine,
-        "loadavg_start": load_start,
-        "loadavg_end": loadavg(),
-        "workload": {
-            "api": args.api,
-            "clients": args.clients,
-            "short": f"{args.short_len}-token prompts x {args.short_out} output tokens, looped",
-            "long": f"{args.long_len}-token prompt x {args.long_out} output tokens "
-            f"every {args.long_every:g} s (first at {args.long_every / 2:g} s)",
-            "duration_s": args.duration,
-            "prompts": (
-                f"fresh per request: uniform random regular token ids, random.Random({args.seed})"
-                if args.api == "infer_token"
-                else f"fresh per request: random demo-tokenizer words, random.Random({args.seed})"
-            ),
-            "sampling": "greedy"
-            + (", ignore_eos" if args.api == "chat" else " (the demo model emits no EOS)"),
-            "quick": args.quick,
-        },
-        "app_args": {mode: app_args(mode, args) for mode in args.modes},
-        "results": results,
-        "ratios": rat,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    run.write(
+        args.out,
+        workload=workload_record(args),
+        app_args={mode: app_args(mode, args) for mode in args.modes},
+        results=results,
+        ratios=rat,
+    )
     return 0
 
 

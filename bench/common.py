@@ -1,0 +1,140 @@
+"""What both benchmarks share: random prompts, percentiles and token gaps, the machine and load
+a run is measured on, the progress log and the JSON result's common head.
+
+Imported by bench/engine.py and bench/pd.py from the directory they live in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The demo tokenizer's ids below this are regular BPE tokens (the special tokens follow).
+VOCAB_REGULAR = 151643
+T0 = time.perf_counter()
+
+
+def log(message: str, tag: str = "") -> None:
+    """A progress line stamped with the seconds since the benchmark started (and a tag)."""
+    where = f" {tag}" if tag else ""
+    print(f"[{time.perf_counter() - T0:6.1f}s{where}] {message}", flush=True)
+
+
+# -- prompts ------------------------------------------------------------------------------------
+
+
+def seeded_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `length` regular token ids, uniform, from a torch.Generator(seed)."""
+    import torch  # only the engine benchmark needs torch in its own process
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB_REGULAR, (num, length), generator=gen).tolist()
+
+
+def random_token_ids(rng: random.Random, length: int) -> list[int]:
+    """One prompt of `length` uniform random regular token ids drawn from `rng`."""
+    return [rng.randrange(VOCAB_REGULAR) for _ in range(length)]
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1) of values, linearly interpolated between neighbours."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def percentile_ms(values: list[float], q: float) -> float | None:
+    """The q-quantile of values in seconds, as milliseconds; None when there are none."""
+    return 1e3 * percentile(values, q) if values else None
+
+
+def gaps(times: list[float]) -> list[float]:
+    """The differences between consecutive timestamps."""
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+# -- the machine --------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(packages: tuple[str, ...], **extra) -> dict:
+    """CPU, usable cores, the given packages' versions, Python, the platform, then `extra`."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        **versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **extra,
+    }
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+# -- the result file ----------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """When a benchmark started, on what machine and under what load: the head of its JSON."""
+
+    started: datetime.datetime
+    machine: dict
+    loadavg_start: list[float] | None
+
+    @classmethod
+    def begin(cls, machine: dict) -> Run:
+        return cls(datetime.datetime.now().astimezone(), machine, loadavg())
+
+    def write(self, path: Path, **body) -> None:
+        """Write the JSON result: date, wall time, machine, load averages, then `body`."""
+        report = {
+            "date": self.started.isoformat(timespec="seconds"),
+            "wall_s": (datetime.datetime.now().astimezone() - self.started).total_seconds(),
+            "machine": self.machine,
+            "loadavg_start": self.loadavg_start,
+            "loadavg_end": loadavg(),
+            **body,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {path}")
