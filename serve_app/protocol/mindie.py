@@ -35,7 +35,7 @@ from serve_app.messages import (
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
-from serve_app.protocol.sampling import mindie_finish, sampling_params
+from serve_app.protocol.sampling import mindie_finish, parameters_request
 from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 
 # A server-drawn seed stays below 2^31 so that every client (and JSON in JavaScript) reads it.
@@ -135,23 +135,10 @@ class InferRequest(BaseModel):
         self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
         params, stream = self.params, bool(self.stream)
-        return ReplicaRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            params=sampling_params(
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                do_sample=params.do_sample,
-                seed=self.seed(),
-                repetition_penalty=params.repetition_penalty,
-                max_tokens=defaults.limits.max_output_tokens(max_new_tokens(params)),
-            ),
-            priority=defaults.priority_of(params.priority),
-            timeout_s=defaults.timeout_of(params.timeout),
-            stream=stream,
-            token_texts=stream,
-        )
+        return parameters_request(
+            request_id, prompt, defaults, params, seed=self.seed(),
+            max_new_tokens=max_new_tokens(params), stream=stream, token_texts=stream,
+        )  # fmt: skip
 
 
 class InferTokenRequest(InferRequest):

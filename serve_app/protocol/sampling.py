@@ -8,7 +8,11 @@ stop_sequence / length; the vLLM-style completions route says stop / length
 
 from __future__ import annotations
 
+from typing import Any
+
 from serve_app.engine.params import SamplingParams
+from serve_app.messages import ReplicaRequest, TokenizedPrompt
+from serve_app.protocol.defaults import ServerDefaults
 
 MINDIE_FINISH = {
     "eos": "eos_token",
@@ -77,4 +81,36 @@ def sampling_params(
         ignore_eos=ignore_eos,
         stop_token_ids=[t for t in (stop_token_ids or []) if 0 <= t <= 2**31 - 1],
         logprobs=logprobs,
+    )
+
+
+def parameters_request(
+    request_id: str,
+    prompt: TokenizedPrompt,
+    defaults: ServerDefaults,
+    params: Any,
+    *,
+    seed: int | None,
+    max_new_tokens: int,
+    **fields: Any,
+) -> ReplicaRequest:
+    """The replica request of a MindIE-style `parameters` object: /infer and Triton generate
+    share its field names (temperature, top_k, top_p, do_sample, repetition_penalty, priority,
+    timeout); their ranges differ and stay in each family's model. `fields`: the rest of the
+    ReplicaRequest (stop strings, streaming flags)."""
+    return ReplicaRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt.prompt_token_ids,
+        params=sampling_params(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            do_sample=params.do_sample,
+            seed=seed,
+            repetition_penalty=params.repetition_penalty,
+            max_tokens=defaults.limits.max_output_tokens(max_new_tokens),
+        ),
+        priority=defaults.priority_of(params.priority),
+        timeout_s=defaults.timeout_of(params.timeout),
+        **fields,
     )

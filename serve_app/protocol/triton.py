@@ -42,7 +42,7 @@ from serve_app.protocol.fields import (
     stop_strings,
 )
 from serve_app.protocol.pd_refusals import refuse_in_pd
-from serve_app.protocol.sampling import mindie_finish, sampling_params
+from serve_app.protocol.sampling import mindie_finish, parameters_request
 from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 
 
@@ -148,23 +148,10 @@ class GenerateRequest(BaseModel):
     ) -> ReplicaRequest:
         """stream: the route's (generate_stream), not parameters.stream."""
         params = self.params
-        return ReplicaRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            params=sampling_params(
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                do_sample=params.do_sample,
-                seed=params.seed,
-                repetition_penalty=params.repetition_penalty,
-                max_tokens=defaults.limits.max_output_tokens(params.output_tokens()),
-            ),
-            priority=defaults.priority_of(params.priority),
-            timeout_s=defaults.timeout_of(params.timeout),
-            stop=params.stop_list,
-            stream=stream,
-        )
+        return parameters_request(
+            request_id, prompt, defaults, params, seed=params.seed,
+            max_new_tokens=params.output_tokens(), stop=params.stop_list, stream=stream,
+        )  # fmt: skip
 
 
 class Head:
