@@ -1,6 +1,6 @@
 """pydantic's error locations and messages in our words, for config errors and request errors.
 
-Both the config loader (`config.py`) and the API families' error renderer
+Both the config loader (`config/loading.py`) and the API families' error renderer
 (`protocol/errors.py`) name the field at fault by its dotted path (`BackendConfig.ModelDeployConfig
 .maxSeqLen`, `messages[0].content`) and state the rule with signs rather than pydantic's words
 ("must be >= 1" rather than "Input should be greater than or equal to 1").
