@@ -4,8 +4,9 @@ Sits at the end of the request path (ingress -> tokenizer pool -> model replica 
 Imports no fastapi, pydantic or ray: it runs the same in a replica, a script or a test.
 """
 
-from serve_app.engine.async_engine import AsyncEngine, EngineError, GenerateRequest
+from serve_app.engine.async_engine import AsyncEngine, GenerateRequest
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.llm import LLM
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics, TokenLogprob
@@ -21,6 +22,7 @@ __all__ = [
     "GenerateRequest",
     "LLMEngine",
     "RequestOutput",
+    "RequestRejected",
     "SamplingParams",
     "StepMetrics",
     "TokenLogprob",

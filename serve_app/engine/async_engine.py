@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
@@ -34,14 +35,6 @@ class GenerateRequest:
     # spent in the inbox behind a long running step counts as queueing, not as prefill.
     arrival_time: float | None = None
     e2e_start: float | None = None  # PD decode: when the e2eTimeout window began (prefill)
-
-
-class EngineError(RuntimeError):
-    """The engine could not take or finish a request."""
-
-
-class RequestRejected(EngineError):
-    """`add_request` refused the request: input the engine can never serve (no step failed)."""
 
 
 class AsyncEngine:
@@ -114,8 +107,8 @@ class AsyncEngine:
             if kind == "add":
                 try:
                     self._add(payload)
-                except ValueError as exc:
-                    self._deliver(payload.request_id, RequestRejected(str(exc)))
+                except RequestRejected as exc:
+                    self._deliver(payload.request_id, exc)
             else:
                 output = self.engine.abort(payload)
                 if output is not None:

@@ -15,6 +15,7 @@ import torch
 from serve_app.engine import beam_search, kv_transfer
 from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.errors import RequestRejected
 from serve_app.engine.kv_cache import KVCacheManager
 from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.model_runner import ModelRunner
@@ -75,7 +76,7 @@ class LLMEngine:
         export_kv: bool = False,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError for input the engine can never serve.
+        """Queue a request. Raises RequestRejected for input the engine can never serve.
 
         export_kv (a PD prefill): the request produces exactly one token, and its final output
         carries the prompt's KV and the seeded generator's state for a decode engine.
@@ -108,7 +109,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         e2e_start: float | None = None,
     ) -> None:
-        """Continue a request another engine prefilled (PD decode). Raises ValueError like
+        """Continue a request another engine prefilled (PD decode). Raises RequestRejected like
         add_request. e2e_start: when the request's e2eTimeout window began (before prefill).
 
         The sequence starts as prompt + [first token] with the prompt's KV written into this
@@ -122,9 +123,12 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt = self._check_request(request_id, prompt_token_ids, params, priority, True)
         if not 0 <= first_token_id < self.vocab_size:
-            raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+            raise RequestRejected(f"first token id {first_token_id} is outside the vocabulary")
         if kv is not None:
-            kv_transfer.check_layout(self.runner.kv_caches, kv, len(prompt))
+            try:
+                kv_transfer.check_layout(self.runner.kv_caches, kv, len(prompt))
+            except ValueError as exc:
+                raise RequestRejected(str(exc)) from None
         if output_limit <= 0:
             output_limit = min(
                 self.config.max_iter_times, params.max_tokens or self.config.max_iter_times
@@ -179,28 +183,30 @@ class LLMEngine:
     ) -> list[int]:
         prompt = list(prompt_token_ids)
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestRejected(f"request id {request_id!r} is already in use")
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise RequestRejected("the prompt is empty")
         if not 1 <= priority <= 5:
-            raise ValueError(f"priority must be in [1, 5], got {priority}")
+            raise RequestRejected(f"priority must be in [1, 5], got {priority}")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise RequestRejected(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(prompt) > self.max_model_len - 1:
-            raise ValueError(
+            raise RequestRejected(
                 f"the prompt has {len(prompt)} tokens; at most {self.max_model_len - 1} fit"
                 f" (maxSeqLen {self.config.max_seq_len})"
             )
         if single and (params.num_seqs != 1 or params.use_beam_search):
-            raise ValueError("prefill/decode hand-off supports one sequence (n = best_of = 1)")
+            raise RequestRejected("prefill/decode hand-off supports one sequence (n = best_of = 1)")
         return prompt
 
     def _check_fits(self, prompt_len: int, limit: int, num_seqs: int) -> None:
         total = min(prompt_len + limit, self.max_model_len)
         need = self.kv.worst_case_blocks(prompt_len, total, num_seqs)
         if need > self.kv.pool.num_blocks:
-            raise ValueError(
+            raise RequestRejected(
                 f"the request needs up to {need} KV blocks; the pool has {self.kv.pool.num_blocks}"
             )
 
