@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
 from machine import loadavg  # noqa: E402  (bench/machine.py, next to this script)
 from machine import machine_info as base_machine_info  # noqa: E402
 
-from serve_app.engine import LLM, SamplingParams  # noqa: E402
+from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
 from serve_app.models.demo import ensure_demo_model  # noqa: E402
 from serve_app.models.loader import load_model  # noqa: E402
 
@@ -170,7 +170,7 @@ def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine, gaps = llm.engine, []
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"latency-{i}-{time.monotonic_ns()}", prompt, params)
+        engine.add_request(EngineRequest(f"latency-{i}-{time.monotonic_ns()}", prompt, params))
         first = True
         while engine.has_unfinished_requests():
             start = time.perf_counter()

@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Sequence
 
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
 from serve_app.engine.params import SamplingParams
@@ -42,7 +43,7 @@ class LLM:
         order = []
         for ids, p, priority in zip(prompt_ids, params, priorities, strict=True):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, p, priority=priority)
+            self.engine.add_request(EngineRequest(request_id, ids, p, priority=priority))
             order.append(request_id)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(order):

@@ -2,8 +2,8 @@
 
 Synchronous and single-threaded; `LLM` drives it for offline batches and `AsyncEngine` runs it
 on a thread of its own for serving. For prefill/decode disaggregation one engine runs a prompt
-to its first token and exports the prompt's KV (`add_request(export_kv=True)`), and another
-imports it and continues (`add_imported_request`); see `kv_transfer`.
+to its first token and exports the prompt's KV (a request with `export_kv`), and another
+imports it and continues (a request with `imported`); see `kv_transfer`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from serve_app.engine import beam_search, kv_transfer
 from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import RequestRejected
+from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_cache import KVCacheManager
 from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import RequestOutput, StepMetrics, TokenLogprob
-from serve_app.engine.params import FinishReason, SamplingParams
+from serve_app.engine.params import FinishReason
 from serve_app.engine.sampler import Sampler, SampleRow
 from serve_app.engine.scheduler import ScheduledBatch, Scheduler
-from serve_app.engine.sequence import Request, RequestStatus, Sequence
+from serve_app.engine.sequence import Request, RequestStatus, Sequence, seeded_generator
 
 
 class LLMEngine:
@@ -59,104 +60,74 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _generator(self, seed: int | None, offset: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        generator = torch.Generator(device=self.runner.device)
-        generator.manual_seed((seed + offset) % (1 << 64))
-        return generator
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; RequestRejected, with nothing kept, for input it can never serve.
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        priority: int = 5,
-        deadline: float | None = None,
-        export_kv: bool = False,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Queue a request. Raises RequestRejected for input the engine can never serve.
-
-        export_kv (a PD prefill): the request produces exactly one token, and its final output
+        `export_kv` (a PD prefill): the request produces exactly one token, and its final output
         carries the prompt's KV and the seeded generator's state for a decode engine.
-        """
-        params = params or SamplingParams()
-        prompt = self._check_request(request_id, prompt_token_ids, params, priority, export_kv)
-        limit = min(self.config.max_iter_times, params.max_tokens or self.config.max_iter_times)
-        if export_kv:
-            limit = 1
-        self._check_fits(len(prompt), limit, params.num_seqs)
-        seq = Sequence(prompt, len(prompt), generator=self._generator(params.seed, 0))
-        request = Request(request_id, prompt, params, limit, priority=priority, deadline=deadline)
-        request.arrival_time = arrival_time or request.arrival_time
-        request.export_kv = export_kv
-        request.seqs.append(seq)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
 
-    def add_imported_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token_id: int,
-        params: SamplingParams | None,
-        kv: KVPayload | None,
-        generator_state: torch.Tensor | None = None,
-        output_limit: int = 0,
-        priority: int = 5,
-        deadline: float | None = None,
-        arrival_time: float | None = None,
-        e2e_start: float | None = None,
-    ) -> None:
-        """Continue a request another engine prefilled (PD decode). Raises RequestRejected like
-        add_request. e2e_start: when the request's e2eTimeout window began (before prefill).
-
-        The sequence starts as prompt + [first token] with the prompt's KV written into this
-        pool, so the catch-up rule runs the first token next and samples the second; the first
-        token is never reported again. output_limit counts every output token, the first
-        included, and is not clamped by maxIterTimes (the PD rule can make it maxIterTimes + 1);
-        0 means the colocated limit. kv None: the prompt is recomputed here. When the pool has
-        no room for the KV right now, the request waits for room; like any request, it is
-        recomputed only if pool pressure later takes its blocks (preemption).
+        `imported` (a PD decode) continues a request another engine prefilled. The sequence
+        starts as prompt + [first token] with the prompt's KV written into this pool, so the
+        catch-up rule runs the first token next and samples the second; the first token is never
+        reported again. Its max_output_tokens counts every output token, the first included, and
+        is not clamped by maxIterTimes (the PD rule can make it maxIterTimes + 1). Without KV the
+        prompt is recomputed here. When the pool has no room for the KV right now, the request
+        waits for room; like any request, it is recomputed only if pool pressure later takes its
+        blocks (preemption).
         """
-        params = params or SamplingParams()
-        prompt = self._check_request(request_id, prompt_token_ids, params, priority, True)
-        if not 0 <= first_token_id < self.vocab_size:
-            raise RequestRejected(f"first token id {first_token_id} is outside the vocabulary")
-        if kv is not None:
-            try:
-                kv_transfer.check_layout(self.runner.kv_caches, kv, len(prompt))
-            except ValueError as exc:
-                raise RequestRejected(str(exc)) from None
-        if output_limit <= 0:
-            output_limit = min(
-                self.config.max_iter_times, params.max_tokens or self.config.max_iter_times
-            )
-        self._check_fits(len(prompt), output_limit, 1)
-        generator = None
-        if generator_state is not None:
-            generator = torch.Generator(device=self.runner.device)
-            generator.set_state(generator_state)
-        elif params.seed is not None:  # no state handed over: seeded, but not as colocated
-            generator = self._generator(params.seed, 0)
-        seq = Sequence(prompt + [first_token_id], len(prompt), generator=generator, num_emitted=1)
-        request = Request(
-            request_id, prompt, params, output_limit, priority=priority, deadline=deadline
+        params, imported = request.params, request.imported
+        prompt = self._check_request(request)
+        max_output_tokens = self._max_output_tokens(request)
+        self._check_fits(len(prompt), max_output_tokens, params.num_seqs)
+        first = [] if imported is None else [imported.first_token_id]
+        seq = Sequence(
+            prompt + first, len(prompt), self._generator(request), num_emitted=len(first)
         )
-        request.arrival_time = arrival_time or request.arrival_time
-        request.e2e_start = e2e_start
+        tracked = Request(
+            request.request_id,
+            prompt,
+            params,
+            max_output_tokens,
+            priority=request.priority,
+            deadline=request.deadline,
+            e2e_start=request.e2e_start,
+            export_kv=request.export_kv,
+        )
+        tracked.arrival_time = request.arrival_time or tracked.arrival_time
+        tracked.seqs.append(seq)
+        self.requests[request.request_id] = tracked
+        if imported is None:
+            self.scheduler.add(tracked)
+            return
         # Timing of later tokens counts from the hand-off, not from an arrival here.
-        request.last_token_time = request.arrival_time
-        request.seqs.append(seq)
-        self.requests[request_id] = request
-        self._check_stop(request, seq, first_token_id)
+        tracked.last_token_time = tracked.arrival_time
+        self._check_stop(tracked, seq, imported.first_token_id)
         if seq.finish_reason is not None:  # the first token already ends it: report, no work
-            self._ended_on_import.append(request)
-        elif kv is None:
-            self.scheduler.add(request)
-        else:
-            self._awaiting_room[request_id] = (request, kv)  # written at the next step
+            self._ended_on_import.append(tracked)
+        elif imported.kv is None:
+            self.scheduler.add(tracked)
+        else:  # written at the next step
+            self._awaiting_room[request.request_id] = (tracked, imported.kv)
+
+    def _max_output_tokens(self, request: EngineRequest) -> int:
+        """A PD prefill makes one token; a PD decode may bring its own cap; else
+        min(maxIterTimes, max_tokens)."""
+        if request.export_kv:
+            return 1
+        if request.imported is not None and request.imported.max_output_tokens > 0:
+            return request.imported.max_output_tokens
+        max_iter_times = self.config.max_iter_times
+        return min(max_iter_times, request.params.max_tokens or max_iter_times)
+
+    def _generator(self, request: EngineRequest) -> torch.Generator | None:
+        """The request's own generator, when seeded: as a PD prefill's first token left it when
+        handed over, else fresh from the seed (seeded, but then not as colocated)."""
+        state = request.imported.generator_state if request.imported is not None else None
+        if state is None:
+            return seeded_generator(request.params.seed, 0, self.runner.device)
+        generator = torch.Generator(device=self.runner.device)
+        generator.set_state(state)
+        return generator
 
     def _import_waiting(self) -> None:
         """Write imported KV into the pool, oldest first, while there is room."""
@@ -173,21 +144,14 @@ class LLMEngine:
             del self._awaiting_room[request_id]
             self.scheduler.add(request)
 
-    def _check_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-        single: bool,
-    ) -> list[int]:
-        prompt = list(prompt_token_ids)
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
+    def _check_request(self, request: EngineRequest) -> list[int]:
+        prompt = list(request.prompt_token_ids)
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if not prompt:
             raise RequestRejected("the prompt is empty")
-        if not 1 <= priority <= 5:
-            raise RequestRejected(f"priority must be in [1, 5], got {priority}")
+        if not 1 <= request.priority <= 5:
+            raise RequestRejected(f"priority must be in [1, 5], got {request.priority}")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(
@@ -198,12 +162,31 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; at most {self.max_model_len - 1} fit"
                 f" (maxSeqLen {self.config.max_seq_len})"
             )
-        if single and (params.num_seqs != 1 or params.use_beam_search):
-            raise RequestRejected("prefill/decode hand-off supports one sequence (n = best_of = 1)")
+        if request.export_kv or request.imported is not None:
+            self._check_handoff(request, len(prompt))
         return prompt
 
-    def _check_fits(self, prompt_len: int, limit: int, num_seqs: int) -> None:
-        total = min(prompt_len + limit, self.max_model_len)
+    def _check_handoff(self, request: EngineRequest, prompt_len: int) -> None:
+        """A PD prefill or decode runs one sequence; a decode's first token and KV must fit."""
+        params, imported = request.params, request.imported
+        if params.num_seqs != 1 or params.use_beam_search:
+            raise RequestRejected("prefill/decode hand-off supports one sequence (n = best_of = 1)")
+        if imported is None:
+            return
+        if request.export_kv:
+            raise RequestRejected("a request either exports its prompt's KV or imports it")
+        if not 0 <= imported.first_token_id < self.vocab_size:
+            raise RequestRejected(
+                f"first token id {imported.first_token_id} is outside the vocabulary"
+            )
+        if imported.kv is not None:
+            try:
+                kv_transfer.check_layout(self.runner.kv_caches, imported.kv, prompt_len)
+            except ValueError as exc:
+                raise RequestRejected(str(exc)) from None
+
+    def _check_fits(self, prompt_len: int, max_output_tokens: int, num_seqs: int) -> None:
+        total = min(prompt_len + max_output_tokens, self.max_model_len)
         need = self.kv.worst_case_blocks(prompt_len, total, num_seqs)
         if need > self.kv.pool.num_blocks:
             raise RequestRejected(
@@ -352,7 +335,7 @@ class LLMEngine:
             for index in range(1, params.best_of):
                 child = self.kv.fork(seq)
                 child.index = index
-                child.generator = self._generator(params.seed, index)
+                child.generator = seeded_generator(params.seed, index, self.runner.device)
                 request.seqs.append(child)
 
     def _append(self, request: Request, seq: Sequence, token: int) -> None:

@@ -20,6 +20,16 @@ from serve_app.engine.params import FinishReason, SamplingParams
 _seq_ids = itertools.count()
 
 
+def seeded_generator(seed: int | None, offset: int, device) -> torch.Generator | None:
+    """A seeded request's own generator (None when unseeded). Sequence k of a request draws from
+    seed + k, so that best_of forks sample apart yet reproducibly, whatever shares the batch."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed + offset) % (1 << 64))
+    return generator
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     token_ids: list[int]
@@ -101,7 +111,7 @@ class Request:
     # timing of every step that produced tokens, kept only for requests that report once at the
     # end (beam search, best_of > n); streaming requests report each step as it happens
     step_history: list[StepMetrics] = field(default_factory=list)
-    # prefill/decode disaggregation (see LLMEngine.add_request / add_imported_request)
+    # prefill/decode disaggregation (see LLMEngine.add_request)
     export_kv: bool = False  # a prefill: export the prompt's KV when the first token is out
     kv_payload: object | None = None  # the exported KV, read before the blocks are freed
     generator_state: torch.Tensor | None = None

@@ -25,7 +25,7 @@ from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.engine.async_engine import (
     AsyncEngine,
     EngineError,
-    GenerateRequest,
+    EngineRequest,
     RequestRejected,
 )
 from serve_app.engine.kv_transfer import ImportedPrefill
@@ -116,7 +116,7 @@ class ModelReplica:
         request failed, `error` and `error_kind`. Closing this generator early (client gone)
         aborts the engine request and frees its KV blocks.
         """
-        request = GenerateRequest(
+        request = EngineRequest(
             req.request_id, list(req.prompt_token_ids), req.params, req.priority, _deadline(req)
         )
         async for chunk in self._stream(request, OutputProcessor(req, self.tokenizer)):
@@ -131,7 +131,7 @@ class ModelReplica:
         replica's blocks are already free. Cancelling this coroutine (client gone) aborts the
         engine request and frees its blocks.
         """
-        request = GenerateRequest(
+        request = EngineRequest(
             req.request_id,
             list(req.prompt_token_ids),
             req.params,
@@ -212,13 +212,15 @@ class ModelReplica:
                 logger.warning("KV of %s lost (%r): recomputing the prompt", r.request_id, exc)
         handoff = _Handoff((time.monotonic() - start) * 1e3, kv_bytes, recomputed=kv is None)
         limit = req.output_limit or self.limits.pd_total_tokens(r.params.max_tokens)
-        request = GenerateRequest(
+        request = EngineRequest(
             r.request_id,
             list(r.prompt_token_ids),
             r.params,
             r.priority,
             deadline,
-            imported=ImportedPrefill(req.first_token_id, kv, req.generator_state, limit),
+            imported=ImportedPrefill(
+                req.first_token_id, kv, req.generator_state, max_output_tokens=limit
+            ),
             e2e_start=e2e_start,
         )
         # The engine keeps the payload only until it is written into the pool; nothing here
@@ -229,7 +231,7 @@ class ModelReplica:
 
     async def _stream(
         self,
-        request: GenerateRequest,
+        request: EngineRequest,
         processor: OutputProcessor,
         handoff: _Handoff | None = None,
     ) -> AsyncIterator[ReplicaChunk]:
