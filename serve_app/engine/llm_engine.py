@@ -18,12 +18,11 @@ from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import RequestRejected
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_cache import KVCacheManager
-from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import RequestOutput, StepMetrics, TokenLogprob
 from serve_app.engine.params import FinishReason
 from serve_app.engine.sampler import Sampler, SampleRow
-from serve_app.engine.scheduler import ScheduledBatch, Scheduler
+from serve_app.engine.scheduler import KVWrite, ScheduledBatch, Scheduler
 from serve_app.engine.sequence import Request, RequestStatus, Sequence, seeded_generator
 
 
@@ -42,9 +41,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed, self.runner.device)
         self.requests: dict[str, Request] = {}
-        # PD decode: imported requests waiting for blocks to write their KV into, in order
-        self._awaiting_room: dict[str, tuple[Request, KVPayload]] = {}
-        self._ended_on_import: list[Request] = []  # the first token already ended them
         self.num_kv_imports = 0
         self.num_kv_exports = 0
 
@@ -101,13 +97,9 @@ class LLMEngine:
             return
         # Timing of later tokens counts from the hand-off, not from an arrival here.
         tracked.last_token_time = tracked.arrival_time
+        # A first token that ends it (EOS, a stop token, a cap of 1): the scheduler only reports it.
         self._check_stop(tracked, seq, imported.first_token_id)
-        if seq.finish_reason is not None:  # the first token already ends it: report, no work
-            self._ended_on_import.append(tracked)
-        elif imported.kv is None:
-            self.scheduler.add(tracked)
-        else:  # written at the next step
-            self._awaiting_room[request.request_id] = (tracked, imported.kv)
+        self.scheduler.add(tracked, imported.kv)
 
     def _max_output_tokens(self, request: EngineRequest) -> int:
         """A PD prefill makes one token; a PD decode may bring its own cap; else
@@ -128,21 +120,6 @@ class LLMEngine:
         generator = torch.Generator(device=self.runner.device)
         generator.set_state(state)
         return generator
-
-    def _import_waiting(self) -> None:
-        """Write imported KV into the pool, oldest first, while there is room."""
-        for request_id, (request, kv) in list(self._awaiting_room.items()):
-            seq = request.seqs[0]
-            if not self.kv.allocate(seq, kv.num_tokens):
-                return
-            start = time.monotonic()
-            self.runner.write_kv(seq.block_table, kv)
-            seq.num_computed_tokens = kv.num_tokens
-            self.kv.commit(seq)
-            request.kv_import_ms = (time.monotonic() - start) * 1e3
-            self.num_kv_imports += 1
-            del self._awaiting_room[request_id]
-            self.scheduler.add(request)
 
     def _check_request(self, request: EngineRequest) -> list[int]:
         prompt = list(request.prompt_token_ids)
@@ -208,7 +185,7 @@ class LLMEngine:
         pool = self.kv.pool
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + len(self._awaiting_room),
+            "num_waiting": self.scheduler.num_waiting,
             "kv_usage": pool.usage,
             "num_free_blocks": pool.num_free_blocks,
             "num_blocks": pool.num_blocks,
@@ -236,11 +213,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         outputs = self._expire(start)
-        while self._ended_on_import:
-            outputs.append(self._finish(self._ended_on_import.pop(0), StepMetrics()))
-        if self._awaiting_room:
-            self._import_waiting()
         batch = self.scheduler.schedule()
+        outputs += [self._finish(request, StepMetrics()) for request in batch.ended]
+        self._write_imported_kv(batch.kv_writes)
         if batch.is_empty:
             return outputs
         self.runner.copy_blocks(self.kv.pending_copies)
@@ -258,6 +233,13 @@ class LLMEngine:
         ready = [r for r in batch.requests if all(s.seq_id in row_of for s in r.seqs)]
         outputs.extend(self._sample_and_report(batch, ready, logits, row_of, start))
         return outputs
+
+    def _write_imported_kv(self, writes: list[KVWrite]) -> None:
+        for write in writes:
+            start = time.monotonic()
+            self.runner.write_kv(write.block_table, write.payload)
+            write.request.kv_import_ms = (time.monotonic() - start) * 1e3
+            self.num_kv_imports += 1
 
     def _sample_and_report(
         self,
@@ -417,9 +399,6 @@ class LLMEngine:
         for seq in seqs:
             seq.finish_reason = seq.finish_reason or request.finish_reason
         self.scheduler.remove(request)
-        self._awaiting_room.pop(request.request_id, None)
-        if request in self._ended_on_import:  # aborted before its report
-            self._ended_on_import.remove(request)
         request.status = RequestStatus.FINISHED
         self.requests.pop(request.request_id, None)
         output = request.to_output(seqs, metrics, new_only=self._streams(request))

@@ -81,6 +81,7 @@ class Sequence:
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_KV = "waiting_for_kv"  # a PD decode until its imported KV is in the pool
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
