@@ -49,6 +49,15 @@ class ScheduledBatch:
         """No forward pass this step (KV writes and ended requests may still be due)."""
         return not self.seqs
 
+    def sampling_positions(self) -> list[int]:
+        """Indices of the sequences this step catches up (computed tokens reach all tokens):
+        the ones whose last position gives logits to sample from. Asked before the step runs."""
+        return [
+            i
+            for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
