@@ -12,18 +12,17 @@ import time
 
 import torch
 
-from serve_app.engine import kv_transfer
 from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.errors import RequestRejected
 from serve_app.engine.inputs import EngineRequest
+from serve_app.engine.intake import Intake
 from serve_app.engine.kv_cache import KVCacheManager
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import RequestOutput, StepMetrics
 from serve_app.engine.params import FinishReason
 from serve_app.engine.sampler import Sampler
 from serve_app.engine.scheduler import KVWrite, ScheduledBatch, Scheduler
-from serve_app.engine.sequence import Request, Sequence, seeded_generator
+from serve_app.engine.sequence import Request
 from serve_app.engine.update import Updater
 
 
@@ -39,10 +38,13 @@ class LLMEngine:
         pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(pool)
         self.scheduler = Scheduler(config, self.kv)
-        device = self.runner.device
+        device, kv_caches = self.runner.device, self.runner.kv_caches
         sampler = Sampler(config.seed, device)
         self.updater = Updater(
             self.kv, sampler, self.runner.read_kv, self.max_model_len, self._eos_ids(), device
+        )
+        self.intake = Intake(
+            config, self.vocab_size, self.max_model_len, self.kv, kv_caches, device
         )
         self.requests: dict[str, Request] = {}
         self.num_kv_imports = 0
@@ -73,114 +75,20 @@ class LLMEngine:
 
         `export_kv` (a PD prefill): the request produces exactly one token, and its final output
         carries the prompt's KV and the seeded generator's state for a decode engine.
-
-        `imported` (a PD decode) continues a request another engine prefilled. The sequence
-        starts as prompt + [first token] with the prompt's KV written into this pool, so the
-        catch-up rule runs the first token next and samples the second; the first token is never
-        reported again. Its max_output_tokens counts every output token, the first included, and
-        is not clamped by maxIterTimes (the PD rule can make it maxIterTimes + 1). Without KV the
-        prompt is recomputed here. When the pool has no room for the KV right now, the request
-        waits for room; like any request, it is recomputed only if pool pressure later takes its
-        blocks (preemption).
+        `imported` (a PD decode): continue a request another engine prefilled, from its first
+        token and, when given, its prompt's KV (else the prompt is recomputed here). The KV
+        waits for room in the pool; like any request, the decode is recomputed only if pool
+        pressure later takes its blocks (preemption).
         """
-        params, imported = request.params, request.imported
-        prompt = self._check_request(request)
-        max_output_tokens = self._max_output_tokens(request)
-        self._check_fits(len(prompt), max_output_tokens, params.num_seqs)
-        first = [] if imported is None else [imported.first_token_id]
-        seq = Sequence(
-            prompt + first, len(prompt), self._generator(request), num_emitted=len(first)
-        )
-        tracked = Request(
-            request.request_id,
-            prompt,
-            params,
-            max_output_tokens,
-            priority=request.priority,
-            deadline=request.deadline,
-            e2e_start=request.e2e_start,
-            export_kv=request.export_kv,
-        )
-        tracked.arrival_time = request.arrival_time or tracked.arrival_time
-        tracked.seqs.append(seq)
-        self.requests[request.request_id] = tracked
+        tracked = self.intake(request, self.requests)
+        self.requests[tracked.request_id] = tracked
+        imported = request.imported
         if imported is None:
             self.scheduler.add(tracked)
             return
-        # Timing of later tokens counts from the hand-off, not from an arrival here.
-        tracked.last_token_time = tracked.arrival_time
         # A first token that ends it (EOS, a stop token, a cap of 1): the scheduler only reports it.
-        self.updater.check_stop(tracked, seq, imported.first_token_id)
+        self.updater.check_stop(tracked, tracked.seqs[0], imported.first_token_id)
         self.scheduler.add(tracked, imported.kv)
-
-    def _max_output_tokens(self, request: EngineRequest) -> int:
-        """A PD prefill makes one token; a PD decode may bring its own cap; else
-        min(maxIterTimes, max_tokens)."""
-        if request.export_kv:
-            return 1
-        if request.imported is not None and request.imported.max_output_tokens > 0:
-            return request.imported.max_output_tokens
-        max_iter_times = self.config.max_iter_times
-        return min(max_iter_times, request.params.max_tokens or max_iter_times)
-
-    def _generator(self, request: EngineRequest) -> torch.Generator | None:
-        """The request's own generator, when seeded: as a PD prefill's first token left it when
-        handed over, else fresh from the seed (seeded, but then not as colocated)."""
-        state = request.imported.generator_state if request.imported is not None else None
-        if state is None:
-            return seeded_generator(request.params.seed, 0, self.runner.device)
-        generator = torch.Generator(device=self.runner.device)
-        generator.set_state(state)
-        return generator
-
-    def _check_request(self, request: EngineRequest) -> list[int]:
-        prompt = list(request.prompt_token_ids)
-        if request.request_id in self.requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        if not prompt:
-            raise RequestRejected("the prompt is empty")
-        if not 1 <= request.priority <= 5:
-            raise RequestRejected(f"priority must be in [1, 5], got {request.priority}")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(prompt) > self.max_model_len - 1:
-            raise RequestRejected(
-                f"the prompt has {len(prompt)} tokens; at most {self.max_model_len - 1} fit"
-                f" (maxSeqLen {self.config.max_seq_len})"
-            )
-        if request.export_kv or request.imported is not None:
-            self._check_handoff(request, len(prompt))
-        return prompt
-
-    def _check_handoff(self, request: EngineRequest, prompt_len: int) -> None:
-        """A PD prefill or decode runs one sequence; a decode's first token and KV must fit."""
-        params, imported = request.params, request.imported
-        if params.num_seqs != 1 or params.use_beam_search:
-            raise RequestRejected("prefill/decode hand-off supports one sequence (n = best_of = 1)")
-        if imported is None:
-            return
-        if request.export_kv:
-            raise RequestRejected("a request either exports its prompt's KV or imports it")
-        if not 0 <= imported.first_token_id < self.vocab_size:
-            raise RequestRejected(
-                f"first token id {imported.first_token_id} is outside the vocabulary"
-            )
-        if imported.kv is not None:
-            try:
-                kv_transfer.check_layout(self.runner.kv_caches, imported.kv, prompt_len)
-            except ValueError as exc:
-                raise RequestRejected(str(exc)) from None
-
-    def _check_fits(self, prompt_len: int, max_output_tokens: int, num_seqs: int) -> None:
-        total = min(prompt_len + max_output_tokens, self.max_model_len)
-        need = self.kv.worst_case_blocks(prompt_len, total, num_seqs)
-        if need > self.kv.pool.num_blocks:
-            raise RequestRejected(
-                f"the request needs up to {need} KV blocks; the pool has {self.kv.pool.num_blocks}"
-            )
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED):
         """End a request now and free its blocks; returns its final output (None if unknown)."""
