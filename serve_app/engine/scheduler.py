@@ -29,8 +29,9 @@ class KVWrite:
     """Imported prompt KV for the runner to write into the blocks just allocated for it."""
 
     request: Request
-    # The blocks as allocated: should the request lose them again within the same schedule, they
-    # still get the KV, since the prefix cache already lists them as holding these tokens.
+    # The blocks as allocated. Should the request lose them again in the same schedule (a waiting
+    # request that cannot be admitted gives its blocks back), they still get the KV: the prefix
+    # cache already lists them as holding these tokens.
     block_table: list[int]
     payload: KVPayload
 
@@ -106,7 +107,7 @@ class Scheduler:
             self.kv.free(seq)
 
     def _import_kv(self, batch: ScheduledBatch) -> None:
-        """Give requests waiting for KV the blocks it needs, oldest first, while there is room.
+        """Allocate blocks for the imported KV, oldest request first, while there is room.
 
         Their prompt counts as computed from here on (and its full blocks enter the prefix
         cache), so they wait like any request whose next step samples; the batch tells the
@@ -169,7 +170,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         config, batch = self.config, ScheduledBatch(ended=self.ended)
         self.ended = []
-        if self.waiting_for_kv:  # first: their prompts are work another engine already did
+        if self.waiting_for_kv:  # first: prompts computed elsewhere before this step's new work
             self._import_kv(batch)
         budget, num_prefills = config.max_prefill_tokens, 0
         queue = sorted(self.running, key=lambda r: r.sort_key)

@@ -28,6 +28,8 @@ ReadKV = Callable[[list[int], int], KVPayload]  # block table, tokens -> the KV 
 
 
 class Updater:
+    """The update stage; its finish() also ends requests aborted or timed out between steps."""
+
     def __init__(
         self,
         kv: KVCacheManager,
