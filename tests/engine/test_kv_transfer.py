@@ -13,6 +13,7 @@ from serve_app.engine import (
     EngineRequest,
     FinishReason,
     LLMEngine,
+    RequestRejected,
     SamplingParams,
     kv_transfer,
 )
@@ -30,6 +31,7 @@ BASE = dict(
     max_iter_times=MAX_ITER,
 )
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+GREEDY_EOS = SamplingParams(temperature=0)
 SEEDED = SamplingParams(
     temperature=1.0,
     top_k=50,
@@ -230,6 +232,26 @@ def test_refusals_leave_no_state(decode, prompts):
         )
     with pytest.raises(ValueError, match="one sequence"):
         decode.add_request(EngineRequest("n2", prompts[1], SamplingParams(n=2), export_kv=True))
+    assert_idle(decode)
+
+
+def test_a_request_imports_or_exports_and_is_rejected_as_such(decode, prompts):
+    both = EngineRequest(
+        "both", prompts[1], GREEDY, export_kv=True, imported=ImportedPrefill(5, None)
+    )
+    with pytest.raises(RequestRejected, match="either exports"):
+        decode.add_request(both)
+    assert_idle(decode)
+
+
+def test_abort_of_a_request_its_first_token_ended_before_its_report(decode, prompts):
+    eos = min(decode.eos_token_ids)
+    imported = ImportedPrefill(eos, None)
+    decode.add_request(EngineRequest("eos", prompts[1], GREEDY_EOS, imported=imported))
+    assert decode.stats()["num_waiting"] == 0  # nothing to run: only its report is due
+    final = decode.abort("eos")
+    assert final.finished and final.outputs[0].finish_reason == FinishReason.EOS
+    assert decode.step() == []
     assert_idle(decode)
 
 
