@@ -44,7 +44,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     seeded_prompts,
 )
 
-from serve_app.engine import LLM, SamplingParams  # noqa: E402
+from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
 from serve_app.models.demo import ensure_demo_model  # noqa: E402
 from serve_app.models.loader import load_model  # noqa: E402
 
@@ -154,7 +154,7 @@ def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine, step_seconds = llm.engine, []
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"latency-{i}-{time.monotonic_ns()}", prompt, params)
+        engine.add_request(EngineRequest(f"latency-{i}-{time.monotonic_ns()}", prompt, params))
         first = True
         while engine.has_unfinished_requests():
             start = time.perf_counter()

@@ -4,8 +4,10 @@ Sits at the end of the request path (ingress -> tokenizer pool -> model replica 
 Imports no fastapi, pydantic or ray: it runs the same in a replica, a script or a test.
 """
 
-from serve_app.engine.async_engine import AsyncEngine, EngineError, GenerateRequest
+from serve_app.engine.async_engine import AsyncEngine
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm import LLM
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics, TokenLogprob
@@ -17,10 +19,11 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineError",
+    "EngineRequest",
     "FinishReason",
-    "GenerateRequest",
     "LLMEngine",
     "RequestOutput",
+    "RequestRejected",
     "SamplingParams",
     "StepMetrics",
     "TokenLogprob",

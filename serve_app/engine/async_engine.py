@@ -12,36 +12,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.kv_transfer import ImportedPrefill
+from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
-from serve_app.engine.params import SamplingParams
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 5
-    deadline: float | None = None  # time.monotonic() deadline of this request
-    export_kv: bool = False  # PD prefill: one token, then the prompt's KV on the final output
-    imported: ImportedPrefill | None = None  # PD decode: continue another engine's prefill
-    # When the request reached the engine's owner; stamped by generate() if unset, so that time
-    # spent in the inbox behind a long running step counts as queueing, not as prefill.
-    arrival_time: float | None = None
-    e2e_start: float | None = None  # PD decode: when the e2eTimeout window began (prefill)
-
-
-class EngineError(RuntimeError):
-    """The engine could not take or finish a request."""
-
-
-class RequestRejected(EngineError):
-    """`add_request` refused the request: input the engine can never serve (no step failed)."""
 
 
 class AsyncEngine:
@@ -58,7 +34,7 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Outputs as they come; the last one has `finished`. Leaving early aborts the request."""
         loop = asyncio.get_running_loop()
         if request.arrival_time is None:
@@ -112,42 +88,22 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                try:
-                    self._add(payload)
-                except ValueError as exc:
-                    self._deliver(payload.request_id, RequestRejected(str(exc)))
+                self._add(payload)
             else:
                 output = self.engine.abort(payload)
                 if output is not None:
                     self._deliver(payload, output)
 
-    def _add(self, request: GenerateRequest) -> None:
-        imported = request.imported
-        if imported is None:
-            self.engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                request.priority,
-                request.deadline,
-                export_kv=request.export_kv,
-                arrival_time=request.arrival_time,
-            )
+    def _add(self, request: EngineRequest) -> None:
+        try:
+            self.engine.add_request(request)
+        except RequestRejected as exc:
+            self._deliver(request.request_id, exc)
             return
-        self.engine.add_imported_request(
-            request.request_id,
-            request.prompt_token_ids,
-            imported.first_token_id,
-            request.params,
-            imported.kv,
-            imported.generator_state,
-            imported.output_limit,
-            request.priority,
-            request.deadline,
-            arrival_time=request.arrival_time,
-            e2e_start=request.e2e_start,
-        )
-        imported.kv = None  # the engine holds it until it is in the pool; then nobody does
+        if request.imported is not None:
+            # The engine keeps the KV payload only until it is written into the pool; the
+            # request object lives as long as its stream and must not hold the host copy.
+            request.imported.kv = None
 
     def _run(self) -> None:
         while not self._stopped:

@@ -39,7 +39,7 @@ class ImportedPrefill:
     first_token_id: int
     kv: KVPayload | None  # None: recompute the prompt locally
     generator_state: torch.Tensor | None = None  # the seeded generator after the first token
-    output_limit: int = 0  # total output tokens including the first; 0: the engine's default
+    max_output_tokens: int = 0  # output tokens, the first included; 0: the engine's default
 
 
 def token_slots(

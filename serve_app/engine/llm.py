@@ -11,9 +11,10 @@ import itertools
 from collections.abc import Sequence
 
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
-from serve_app.engine.params import SamplingParams
+from serve_app.engine.params import DEFAULT_PRIORITY, SamplingParams
 
 
 class LLM:
@@ -38,11 +39,11 @@ class LLM:
             params = [params or SamplingParams()] * len(prompt_ids)
         if len(params) != len(prompt_ids):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompt_ids)} prompts")
-        priorities = priorities or [5] * len(prompt_ids)
+        priorities = priorities or [DEFAULT_PRIORITY] * len(prompt_ids)
         order = []
         for ids, p, priority in zip(prompt_ids, params, priorities, strict=True):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, p, priority=priority)
+            self.engine.add_request(EngineRequest(request_id, ids, p, priority=priority))
             order.append(request_id)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(order):

@@ -15,9 +15,19 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics
-from serve_app.engine.params import FinishReason, SamplingParams
+from serve_app.engine.params import DEFAULT_PRIORITY, FinishReason, SamplingParams
 
 _seq_ids = itertools.count()
+
+
+def seeded_generator(seed: int | None, offset: int, device) -> torch.Generator | None:
+    """A seeded request's own generator (None when unseeded). Sequence k of a request draws from
+    seed + k, so that best_of forks sample apart yet reproducibly, whatever shares the batch."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed + offset) % (1 << 64))
+    return generator
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +81,7 @@ class Sequence:
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_KV = "waiting_for_kv"  # a PD decode until its imported KV is in the pool
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -84,7 +95,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_output_tokens: int  # min(maxIterTimes, max_tokens), the output limit before maxSeqLen
-    priority: int = 5  # 1 highest .. 5 lowest
+    priority: int = DEFAULT_PRIORITY  # 1 highest .. 5 lowest
     arrival_time: float = field(default_factory=time.monotonic)
     # Start of the e2eTimeout window when the request began elsewhere (a PD decode continues a
     # prefill that already used part of it); None: the arrival here.
@@ -101,7 +112,7 @@ class Request:
     # timing of every step that produced tokens, kept only for requests that report once at the
     # end (beam search, best_of > n); streaming requests report each step as it happens
     step_history: list[StepMetrics] = field(default_factory=list)
-    # prefill/decode disaggregation (see LLMEngine.add_request / add_imported_request)
+    # prefill/decode disaggregation (see LLMEngine.add_request)
     export_kv: bool = False  # a prefill: export the prompt's KV when the first token is out
     kv_payload: object | None = None  # the exported KV, read before the blocks are freed
     generator_state: torch.Tensor | None = None

@@ -12,22 +12,18 @@ replicas answer `decode` (fetch and import that KV, then stream like `generate`)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 from serve_app.config import AppConfig, accelerator_env
 from serve_app.disagg.connector import KVConnector, connector_for
-from serve_app.engine.async_engine import (
-    AsyncEngine,
-    EngineError,
-    GenerateRequest,
-    RequestRejected,
-)
+from serve_app.disagg.handoff import KV_LOSS_POLICIES, Handoff, HandoffFailed, fetch_kv
+from serve_app.engine.async_engine import AsyncEngine
+from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.messages import (
     DecodeRequest,
@@ -41,24 +37,6 @@ from serve_app.replica.output_processor import OutputProcessor
 logger = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
-KV_LOSS_POLICIES = ("recompute", "fail")
-
-
-@dataclass(slots=True)
-class _Handoff:
-    """A decode request's hand-off facts, reported once, on its first chunk."""
-
-    fetch_ms: float
-    kv_bytes: int
-    recomputed: bool
-    import_ms: float = 0.0
-    reported: bool = False
-
-    def stamp(self, chunk: ReplicaChunk) -> None:
-        if not self.reported:
-            chunk.handoff_ms = self.fetch_ms + self.import_ms
-            chunk.kv_bytes, chunk.kv_recomputed = self.kv_bytes, self.recomputed
-            self.reported = True
 
 
 class ModelReplica:
@@ -116,7 +94,7 @@ class ModelReplica:
         request failed, `error` and `error_kind`. Closing this generator early (client gone)
         aborts the engine request and frees its KV blocks.
         """
-        request = GenerateRequest(
+        request = EngineRequest(
             req.request_id, list(req.prompt_token_ids), req.params, req.priority, _deadline(req)
         )
         async for chunk in self._stream(request, OutputProcessor(req, self.tokenizer)):
@@ -131,7 +109,7 @@ class ModelReplica:
         replica's blocks are already free. Cancelling this coroutine (client gone) aborts the
         engine request and frees its blocks.
         """
-        request = GenerateRequest(
+        request = EngineRequest(
             req.request_id,
             list(req.prompt_token_ids),
             req.params,
@@ -186,41 +164,28 @@ class ModelReplica:
         """
         r = req.request
         processor = OutputProcessor(r, self.tokenizer, first_token_id=req.first_token_id)
-        start = time.monotonic()
         deadline = _deadline(r)  # the request's timeout covers the hand-off too
-        e2e_start = start - req.elapsed_s  # on this replica's clock
-        kv, kv_bytes = None, 0
-        if req.transfer is not None:
-            fetch = self._connector_of(req.transfer.connector).fetch(req.transfer)
-            try:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                kv = await asyncio.wait_for(fetch, remaining)
-                kv_bytes = req.transfer.nbytes
-            except TimeoutError:
-                message = (
-                    f"request timed out after {r.timeout_s:g} s (its timeout) in the KV hand-off"
-                )
-                yield self._final(processor.error_chunk(ErrorKind.TIMEOUT, message))
-                return
-            except Exception as exc:  # ObjectLostError, OwnerDiedError, RayActorError
-                self.num_kv_lost += 1
-                if self.kv_loss_policy == "fail":
-                    message = (
-                        f"the prompt's KV cache could not be fetched from the prefill replica "
-                        f"({exc!r}); kv_loss_policy is 'fail', so it is not recomputed"
-                    )
-                    yield self._final(processor.error_chunk(ErrorKind.ENGINE, message))
-                    return
-                logger.warning("KV of %s lost (%r): recomputing the prompt", r.request_id, exc)
-        handoff = _Handoff((time.monotonic() - start) * 1e3, kv_bytes, recomputed=kv is None)
+        e2e_start = time.monotonic() - req.elapsed_s  # on this replica's clock
+        connector = None if req.transfer is None else self._connector_of(req.transfer.connector)
+        try:
+            kv, handoff = await fetch_kv(
+                connector, req.transfer, deadline, r.timeout_s, self.kv_loss_policy, r.request_id
+            )
+        except HandoffFailed as failed:
+            self.num_kv_lost += failed.lost
+            yield self._final(processor.error_chunk(failed.kind, failed.message))
+            return
+        self.num_kv_lost += handoff.lost
         limit = req.max_output_tokens or self.limits.pd_total_tokens(r.params.max_tokens)
-        request = GenerateRequest(
+        request = EngineRequest(
             r.request_id,
             list(r.prompt_token_ids),
             r.params,
             r.priority,
             deadline,
-            imported=ImportedPrefill(req.first_token_id, kv, req.generator_state, limit),
+            imported=ImportedPrefill(
+                req.first_token_id, kv, req.generator_state, max_output_tokens=limit
+            ),
             e2e_start=e2e_start,
         )
         # The engine keeps the payload only until it is written into the pool; nothing here
@@ -231,9 +196,9 @@ class ModelReplica:
 
     async def _stream(
         self,
-        request: GenerateRequest,
+        request: EngineRequest,
         processor: OutputProcessor,
-        handoff: _Handoff | None = None,
+        handoff: Handoff | None = None,
     ) -> AsyncIterator[ReplicaChunk]:
         final: ReplicaChunk | None = None
         try:

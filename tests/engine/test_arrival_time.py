@@ -9,7 +9,9 @@ import time
 import pytest
 
 from serve_app.engine import EngineConfig, SamplingParams
-from serve_app.engine.async_engine import AsyncEngine, GenerateRequest
+from serve_app.engine.async_engine import AsyncEngine
+from serve_app.engine.inputs import EngineRequest
+from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.engine.llm_engine import LLMEngine
 
 CONFIG = EngineConfig(
@@ -25,7 +27,9 @@ def engine():
 
 def test_an_earlier_arrival_is_reported_as_queue_wait(engine):
     engine.add_request(
-        "late", [1, 2, 3], SamplingParams(max_tokens=1), arrival_time=time.monotonic() - 1.0
+        EngineRequest(
+            "late", [1, 2, 3], SamplingParams(max_tokens=1), arrival_time=time.monotonic() - 1.0
+        )
     )
     outputs = []
     while engine.has_unfinished_requests():
@@ -38,7 +42,7 @@ def test_async_engine_stamps_arrival_when_the_request_is_handed_over(engine):
     async def run():
         async_engine = AsyncEngine(engine=engine)
         try:
-            request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=1))
+            request = EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=1))
             before = time.monotonic()
             outputs = [o async for o in async_engine.generate(request)]
             assert before <= request.arrival_time <= time.monotonic()
@@ -55,10 +59,10 @@ def test_a_pd_decode_continues_the_requests_e2e_window(engine):
     from serve_app.engine.params import FinishReason
 
     began = time.monotonic() - CONFIG.e2e_timeout_s - 1.0
-    engine.add_imported_request(
-        "pd-old", [1, 2, 3], 4, SamplingParams(max_tokens=4, temperature=0), None,
-        output_limit=4, e2e_start=began,
-    )  # fmt: skip
+    engine.add_request(EngineRequest(
+        "pd-old", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0),
+        imported=ImportedPrefill(4, None, max_output_tokens=4), e2e_start=began,
+    ))  # fmt: skip
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

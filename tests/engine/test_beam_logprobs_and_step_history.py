@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from serve_app.engine import LLM, SamplingParams
+from serve_app.engine import LLM, EngineRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def llm():
 
 def run(llm, prompt, params):
     engine = llm.engine
-    engine.add_request("r", prompt, params)
+    engine.add_request(EngineRequest("r", prompt, params))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

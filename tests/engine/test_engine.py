@@ -10,8 +10,8 @@ from serve_app.engine import (
     LLM,
     AsyncEngine,
     EngineError,
+    EngineRequest,
     FinishReason,
-    GenerateRequest,
     SamplingParams,
 )
 
@@ -95,8 +95,12 @@ def test_prefix_reuse_gives_identical_outputs_and_reuses_blocks(llm, prompts, hf
 
 def test_abort_mid_generation_frees_every_block(llm, prompts):
     engine = llm.engine
-    engine.add_request("a", prompts[6], SamplingParams(temperature=0, max_tokens=100))
-    engine.add_request("b", prompts[7], SamplingParams(temperature=1.0, n=3, max_tokens=100))
+    engine.add_request(
+        EngineRequest("a", prompts[6], SamplingParams(temperature=0, max_tokens=100))
+    )
+    engine.add_request(
+        EngineRequest("b", prompts[7], SamplingParams(temperature=1.0, n=3, max_tokens=100))
+    )
     for _ in range(5):
         engine.step()
     assert engine.stats()["num_free_blocks"] < engine.stats()["num_blocks"]
@@ -215,8 +219,12 @@ def test_priority_orders_admission(prompts):
     llm = make_llm(max_batch_size=1, max_prefill_batch_size=1)
     engine = llm.engine
     for name in ("low1", "low2"):
-        engine.add_request(name, prompts[1], SamplingParams(temperature=0, max_tokens=2), 5)
-    engine.add_request("urgent", prompts[1], SamplingParams(temperature=0, max_tokens=2), 1)
+        engine.add_request(
+            EngineRequest(name, prompts[1], SamplingParams(temperature=0, max_tokens=2), 5)
+        )
+    engine.add_request(
+        EngineRequest("urgent", prompts[1], SamplingParams(temperature=0, max_tokens=2), 1)
+    )
     order = []
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
@@ -226,10 +234,12 @@ def test_priority_orders_admission(prompts):
 def test_deadline_times_out_and_frees_blocks(llm, prompts):
     engine = llm.engine
     engine.add_request(
-        "slow",
-        prompts[5],
-        SamplingParams(temperature=0, max_tokens=200),
-        deadline=time.monotonic() + 0.2,
+        EngineRequest(
+            "slow",
+            prompts[5],
+            SamplingParams(temperature=0, max_tokens=200),
+            deadline=time.monotonic() + 0.2,
+        )
     )
     outputs = []
     while engine.has_unfinished_requests():
@@ -242,7 +252,7 @@ def test_deadline_times_out_and_frees_blocks(llm, prompts):
 
 def test_outputs_carry_step_timing(llm, prompts):
     engine = llm.engine
-    engine.add_request("t", prompts[3], SamplingParams(temperature=0, max_tokens=3))
+    engine.add_request(EngineRequest("t", prompts[3], SamplingParams(temperature=0, max_tokens=3)))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -260,11 +270,11 @@ def test_async_engine_streams_and_aborts_on_early_exit(llm, prompts, greedy_refe
 
     async def main():
         streamed = []
-        request = GenerateRequest("s1", prompts[2], GREEDY16)
+        request = EngineRequest("s1", prompts[2], GREEDY16)
         async for output in engine.generate(request):
             streamed += output.outputs[0].new_token_ids
         assert streamed == greedy_reference[2]
-        long = GenerateRequest("s2", prompts[3], SamplingParams(temperature=0, max_tokens=200))
+        long = EngineRequest("s2", prompts[3], SamplingParams(temperature=0, max_tokens=200))
         async for _ in engine.generate(long):
             break  # a client going away
         for _ in range(100):
@@ -272,7 +282,7 @@ def test_async_engine_streams_and_aborts_on_early_exit(llm, prompts, greedy_refe
                 break
             await asyncio.sleep(0.02)
         with pytest.raises(EngineError, match="vocabulary"):
-            async for _ in engine.generate(GenerateRequest("s3", [10**9], GREEDY16)):
+            async for _ in engine.generate(EngineRequest("s3", [10**9], GREEDY16)):
                 pass
 
     try:
@@ -304,7 +314,7 @@ def test_async_engine_under_concurrent_load_with_cancellations(llm, prompts, gre
     async def consume(i: int) -> list[int] | None:
         index = i % len(prompts)
         streamed = []
-        request = GenerateRequest(f"load-{i}", prompts[index], GREEDY16, priority=1 + i % 5)
+        request = EngineRequest(f"load-{i}", prompts[index], GREEDY16, priority=1 + i % 5)
         async for output in engine.generate(request):
             streamed += output.outputs[0].new_token_ids
             if i % 3 == 0 and len(streamed) >= 4:

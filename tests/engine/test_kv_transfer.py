@@ -8,8 +8,16 @@ import sys
 import pytest
 import torch
 
-from serve_app.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams, kv_transfer
-from serve_app.engine.kv_transfer import KVPayload
+from serve_app.engine import (
+    EngineConfig,
+    EngineRequest,
+    FinishReason,
+    LLMEngine,
+    RequestRejected,
+    SamplingParams,
+    kv_transfer,
+)
+from serve_app.engine.kv_transfer import ImportedPrefill, KVPayload
 from serve_app.tokenizer.limits import TokenLimits
 
 MAX_ITER = 12
@@ -23,6 +31,7 @@ BASE = dict(
     max_iter_times=MAX_ITER,
 )
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+GREEDY_EOS = SamplingParams(temperature=0)
 SEEDED = SamplingParams(
     temperature=1.0,
     top_k=50,
@@ -81,14 +90,14 @@ def limits(engine):
 
 def colocated_tokens(engine, prompts, params):
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"c{i}", prompt, params)
+        engine.add_request(EngineRequest(f"c{i}", prompt, params))
     done = run(engine)
     return [done[f"c{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def export(engine, prompts, params):
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{i}", prompt, params, export_kv=True)
+        engine.add_request(EngineRequest(f"p{i}", prompt, params, export_kv=True))
     done = run(engine)
     return [done[f"p{i}"] for i in range(len(prompts))]
 
@@ -104,9 +113,8 @@ def pd_tokens(prefill, decode, prompts, params, recompute=False):
         assert (out.generator_state is not None) == (params.seed is not None)
         kv = None if recompute else out.kv_payload
         first = out.outputs[0].token_ids[0]
-        decode.add_imported_request(
-            f"d{i}", prompt, first, params, kv, out.generator_state, output_limit=total
-        )
+        imported = ImportedPrefill(first, kv, out.generator_state, max_output_tokens=total)
+        decode.add_request(EngineRequest(f"d{i}", prompt, params, imported=imported))
     done = run(decode)
     tokens = []
     for i in range(len(prompts)):
@@ -187,14 +195,16 @@ def test_prefix_cache_hit_still_exports_the_whole_prompt(prefill, decode, prompt
 def test_first_token_that_ends_the_request(prefill, decode, prompts):
     eos = min(decode.eos_token_ids)
     params = SamplingParams(temperature=0, max_tokens=5)
-    decode.add_imported_request("eos", prompts[1], eos, params, None)
+    decode.add_request(
+        EngineRequest("eos", prompts[1], params, imported=ImportedPrefill(eos, None))
+    )
     out = run(decode)["eos"].outputs[0]
     assert out.finish_reason == FinishReason.EOS
     assert out.token_ids == [eos] and out.new_token_ids == []
     limit_one = export(prefill, prompts[1:2], GREEDY)[0]
-    decode.add_imported_request(
-        "one", prompts[1], limit_one.outputs[0].token_ids[0], GREEDY, limit_one.kv_payload, None, 1
-    )
+    first = limit_one.outputs[0].token_ids[0]
+    imported = ImportedPrefill(first, limit_one.kv_payload, None, max_output_tokens=1)
+    decode.add_request(EngineRequest("one", prompts[1], GREEDY, imported=imported))
     out = run(decode)["one"].outputs[0]
     assert out.finish_reason == FinishReason.LENGTH and out.new_token_ids == []
     assert_idle(prefill, decode)
@@ -213,11 +223,35 @@ def test_export_skips_the_kv_when_the_first_token_is_eos(prefill, prompts):
 def test_refusals_leave_no_state(decode, prompts):
     bad = KVPayload(3, [torch.zeros(3, 2, 32)], [torch.zeros(3, 2, 32)], torch.float32)
     with pytest.raises(ValueError, match="layers"):
-        decode.add_imported_request("bad", prompts[1][:3], 5, GREEDY, bad)
+        decode.add_request(
+            EngineRequest("bad", prompts[1][:3], GREEDY, imported=ImportedPrefill(5, bad))
+        )
     with pytest.raises(ValueError, match="covers"):
-        decode.add_imported_request("bad", prompts[1], 5, GREEDY, bad)
+        decode.add_request(
+            EngineRequest("bad", prompts[1], GREEDY, imported=ImportedPrefill(5, bad))
+        )
     with pytest.raises(ValueError, match="one sequence"):
-        decode.add_request("n2", prompts[1], SamplingParams(n=2), export_kv=True)
+        decode.add_request(EngineRequest("n2", prompts[1], SamplingParams(n=2), export_kv=True))
+    assert_idle(decode)
+
+
+def test_a_request_imports_or_exports_and_is_rejected_as_such(decode, prompts):
+    both = EngineRequest(
+        "both", prompts[1], GREEDY, export_kv=True, imported=ImportedPrefill(5, None)
+    )
+    with pytest.raises(RequestRejected, match="either exports"):
+        decode.add_request(both)
+    assert_idle(decode)
+
+
+def test_abort_of_a_request_its_first_token_ended_before_its_report(decode, prompts):
+    eos = min(decode.eos_token_ids)
+    imported = ImportedPrefill(eos, None)
+    decode.add_request(EngineRequest("eos", prompts[1], GREEDY_EOS, imported=imported))
+    assert decode.stats()["num_waiting"] == 0  # nothing to run: only its report is due
+    final = decode.abort("eos")
+    assert final.finished and final.outputs[0].finish_reason == FinishReason.EOS
+    assert decode.step() == []
     assert_idle(decode)
 
 
@@ -225,20 +259,19 @@ def test_abort_while_waiting_for_room_and_after_import(prefill, prompts):
     small = make_engine(num_kv_blocks=7)  # room for one 75-token import at a time
     exported = export(prefill, [prompts[3], prompts[3]], GREEDY)
     for i, out in enumerate(exported):
-        small.add_imported_request(
-            f"d{i}", prompts[3], out.outputs[0].token_ids[0], GREEDY, out.kv_payload, None, 8
-        )
+        imported = ImportedPrefill(out.outputs[0].token_ids[0], out.kv_payload, max_output_tokens=8)
+        small.add_request(EngineRequest(f"d{i}", prompts[3], GREEDY, imported=imported))
+    imported = ImportedPrefill(5, None, None, max_output_tokens=100)
     with pytest.raises(ValueError, match="KV blocks"):  # can never fit: refused up front
-        small.add_imported_request("big", prompts[3], 5, GREEDY, None, None, 100)
+        small.add_request(EngineRequest("big", prompts[3], GREEDY, imported=imported))
     small.step()
     assert small.stats()["num_waiting"] == 1  # the second waits for room, holding no blocks
     small.abort("d1")
     small.abort("d0")
     assert_idle(small)
     for i, out in enumerate(exported):  # without aborts both finish, one after the other
-        small.add_imported_request(
-            f"e{i}", prompts[3], out.outputs[0].token_ids[0], GREEDY, out.kv_payload, None, 8
-        )
+        imported = ImportedPrefill(out.outputs[0].token_ids[0], out.kv_payload, max_output_tokens=8)
+        small.add_request(EngineRequest(f"e{i}", prompts[3], GREEDY, imported=imported))
     done = run(small)
     assert done["e0"].outputs[0].token_ids == done["e1"].outputs[0].token_ids
     assert small.stats()["num_kv_imports"] == 3

@@ -1,0 +1,115 @@
+"""The shape of the package, checked: no import cycle, layers that import only downwards, and
+modules that stay small (docs/lifecycle.md explains the layers)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+import serve_app
+
+ROOT = pathlib.Path(serve_app.__file__).parent
+README = ROOT.parent / "README.md"
+MAX_LINES = 300
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The serve_app modules `name` imports anywhere in its text (also inside functions), and
+    the packages whose __init__ Python runs to import them."""
+    path, found = MODULES[name], set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}".rstrip(".")
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            parts = target.split(".")
+            found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    found.discard(name)
+    return {m for m in found if m in MODULES and not name.startswith(m + ".")}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _cycle() -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(GRAPH):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = _cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _reaches(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for nxt in GRAPH[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "layer, forbidden",
+    [
+        ("serve_app.engine", ("serve_app.protocol", "serve_app.ingress", "serve_app.replica",
+                              "serve_app.disagg", "serve_app.tokenizer", "serve_app.config")),
+        ("serve_app.protocol", ("serve_app.disagg", "serve_app.replica", "serve_app.ingress")),
+        ("serve_app.disagg", ("serve_app.protocol", "serve_app.ingress")),
+        ("serve_app.tokenizer", ("serve_app.protocol", "serve_app.ingress", "serve_app.replica")),
+    ],
+)  # fmt: skip
+def test_layers_import_downwards(layer, forbidden):
+    for name in [m for m in MODULES if m == layer or m.startswith(layer + ".")]:
+        bad = sorted(m for m in _reaches(name) if m.startswith(forbidden))
+        assert not bad, f"{name} imports {bad}"
+
+
+def test_modules_stay_small_or_the_readme_says_why():
+    readme = README.read_text(encoding="utf-8")
+    for path in MODULES.values():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        relative = str(path.relative_to(ROOT.parent))
+        if lines > MAX_LINES:
+            assert re.search(re.escape(relative) + r"`? \(", readme), (
+                f"{relative} has {lines} lines (> {MAX_LINES}); split it or say why in README.md"
+            )
