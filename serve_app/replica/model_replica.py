@@ -176,18 +176,12 @@ class ModelReplica:
             yield self._final(processor.error_chunk(failed.kind, failed.message))
             return
         self.num_kv_lost += handoff.lost
-        limit = req.max_output_tokens or self.limits.pd_total_tokens(r.params.max_tokens)
+        cap = req.max_output_tokens or self.limits.pd_total_tokens(r.params.max_tokens)
+        imported = ImportedPrefill(req.first_token_id, kv, req.generator_state, cap)
         request = EngineRequest(
-            r.request_id,
-            list(r.prompt_token_ids),
-            r.params,
-            r.priority,
-            deadline,
-            imported=ImportedPrefill(
-                req.first_token_id, kv, req.generator_state, max_output_tokens=limit
-            ),
-            e2e_start=e2e_start,
-        )
+            r.request_id, list(r.prompt_token_ids), r.params, r.priority, deadline,
+            imported=imported, e2e_start=e2e_start,
+        )  # fmt: skip
         # The engine keeps the payload only until it is written into the pool; nothing here
         # should keep the host copy (or the object-store reference) alive for the whole decode.
         kv, req.transfer = None, None
