@@ -100,6 +100,10 @@ class AsyncEngine:
         except RequestRejected as exc:
             self._deliver(request.request_id, exc)
             return
+        except Exception as exc:  # e.g. a malformed handed-over generator state: this request
+            # fails, the loop (and every other request) goes on
+            self._deliver(request.request_id, EngineError(f"the engine could not add it: {exc!r}"))
+            return
         if request.imported is not None:
             # The engine keeps the KV payload only until it is written into the pool; the
             # request object lives as long as its stream and must not hold the host copy.

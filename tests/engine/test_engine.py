@@ -14,6 +14,7 @@ from serve_app.engine import (
     FinishReason,
     SamplingParams,
 )
+from serve_app.engine.kv_transfer import ImportedPrefill
 
 GREEDY16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 GREEDY16_LOGPROBS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
@@ -284,6 +285,31 @@ def test_async_engine_streams_and_aborts_on_early_exit(llm, prompts, greedy_refe
         with pytest.raises(EngineError, match="vocabulary"):
             async for _ in engine.generate(EngineRequest("s3", [10**9], GREEDY16)):
                 pass
+
+    try:
+        asyncio.run(main())
+        assert_idle(llm)
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_the_engine_cannot_add_fails_alone(llm, prompts, greedy_reference):
+    """An unexpected error while adding one request (here a malformed handed-over sampler
+    state) fails that request; the step loop keeps serving the others."""
+    engine = AsyncEngine(engine=llm.engine)
+    broken = ImportedPrefill(5, None, generator_state=torch.zeros(3, dtype=torch.uint8))
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
+
+    async def main():
+        with pytest.raises(EngineError, match="could not add"):
+            bad = EngineRequest("bad", prompts[2], seeded, imported=broken)
+            async for _ in engine.generate(bad):
+                pass
+        assert engine.is_running
+        streamed = []
+        async for output in engine.generate(EngineRequest("good", prompts[2], GREEDY16)):
+            streamed += output.outputs[0].new_token_ids
+        assert streamed == greedy_reference[2]
 
     try:
         asyncio.run(main())
