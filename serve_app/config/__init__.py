@@ -5,7 +5,7 @@ application `args` (or a YAML/JSON file) into a frozen `AppConfig` before any de
 `build_app` hands that object to every deployment: the ingress reads `ServerConfig` (timeouts,
 limits), the tokenizer pool `AppConfig.token_limits`, each model replica
 `AppConfig.engine_config()`. Keys and defaults follow MindIE Server's config.json; our additions
-say "(extension)" in their description (README, "Configuration reference").
+say "(extension)" in their description (README, "Configuration").
 
     server.py       ServerConfig
     backend.py      BackendConfig: ModelDeployConfig (ModelConfig[]), ScheduleConfig

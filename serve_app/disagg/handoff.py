@@ -1,9 +1,10 @@
 """The decode side of the KV hand-off: fetch the prompt's KV within the request's time, apply the
 KV loss policy, and report the hand-off's cost once.
 
-A KV that cannot be fetched (the prefill replica died, the object was lost) is recomputed from
-the prompt on the decode replica, or fails the request under kv_loss_policy "fail"; running out
-of the request's timeout during the fetch fails it as a timeout.
+A KV that cannot be fetched (the prefill replica died, the object was lost, the connector's own
+transfer timeout) is recomputed from the prompt on the decode replica, or fails the request under
+kv_loss_policy "fail"; running out of the request's timeout during the fetch fails it as a
+timeout.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ async def fetch_kv(
     try:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         kv = await asyncio.wait_for(connector.fetch(transfer), remaining)
-    except TimeoutError:
-        message = f"request timed out after {timeout_s:g} s (its timeout) in the KV hand-off"
-        raise HandoffFailed(ErrorKind.TIMEOUT, message) from None
-    except Exception as exc:  # ObjectLostError, OwnerDiedError, RayActorError
+    except Exception as exc:  # ObjectLostError, OwnerDiedError, RayActorError, a timeout
+        if deadline is not None and time.monotonic() >= deadline:  # the request's own time
+            message = f"request timed out after {timeout_s:g} s (its timeout) in the KV hand-off"
+            raise HandoffFailed(ErrorKind.TIMEOUT, message) from None
         if kv_loss_policy == "fail":
             message = (
                 f"the prompt's KV cache could not be fetched from the prefill replica ({exc!r}); "

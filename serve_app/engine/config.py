@@ -1,10 +1,11 @@
 """Frozen engine configuration: the only settings the engine reads, and the one home of their
 defaults, choices and cross rules.
 
-Two ways in, each validated once: the served app's pydantic config (`serve_app.config`) takes
-its defaults, dtype/device choices and cross rules from here and checks them while it loads
-(then `AppConfig.engine_config()` builds this object unchecked); `LLM(...)` builds it from
-keyword overrides with `from_overrides`, which checks the same rules. Overrides accept our
+Two ways in: the served app's pydantic config (`serve_app.config`) takes its defaults,
+dtype/device choices and cross rules from here and reports every broken one with its dotted path
+while it loads, then `AppConfig.engine_config()` builds this object; `LLM(...)` builds it from
+keyword overrides with `from_overrides`. Either way the object checks the same rules when it is
+built, so an EngineConfig that exists is a valid one. Overrides accept our
 snake_case names and MindIE's config.json names, so `LLM(model="demo", maxIterTimes=64)` reads
 like a MindIE config.
 """
@@ -61,6 +62,11 @@ class EngineConfig:
     e2e_timeout_s: float = 600.0  # longest life of one request
     seed: int = 0  # seed of the shared generator for requests without their own seed
 
+    def __post_init__(self) -> None:
+        found = problems(self.by_mindie_name())
+        if found:
+            raise ValueError(found[0])  # the first broken rule, naming its keys
+
     @property
     def max_prompt_len(self) -> int:
         return min(self.max_input_token_len, self.max_seq_len - 1)
@@ -70,7 +76,7 @@ class EngineConfig:
 
     @classmethod
     def from_overrides(cls, model: str = "demo", **overrides) -> EngineConfig:
-        """Build from keyword overrides and check the rules; MindIE names are accepted."""
+        """Build from keyword overrides; MindIE names are accepted."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values: dict = {"model": model}
         for key, value in overrides.items():
@@ -78,15 +84,7 @@ class EngineConfig:
             if name not in fields:
                 raise TypeError(f"unknown engine option {key!r}; known: {sorted(fields)}")
             values[name] = value
-        config = cls(**values)
-        config.check()
-        return config
-
-    def check(self) -> None:
-        """Raises ValueError naming the keys of the first broken rule."""
-        found = problems(self.by_mindie_name())
-        if found:
-            raise ValueError(found[0])
+        return cls(**values)
 
     def by_mindie_name(self) -> dict[str, Any]:
         values = {key: getattr(self, name) for key, name in MINDIE_ALIASES.items()}

@@ -17,7 +17,7 @@ from serve_app.engine.errors import RequestRejected
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_cache import KVCacheManager
 from serve_app.engine.kv_transfer import KVCaches
-from serve_app.engine.params import HIGHEST_PRIORITY, LOWEST_PRIORITY
+from serve_app.engine.params import HIGHEST_PRIORITY, LOWEST_PRIORITY, output_cap
 from serve_app.engine.sequence import Request, Sequence, seeded_generator
 
 
@@ -74,8 +74,7 @@ class Intake:
             return 1
         if request.imported is not None and request.imported.max_output_tokens > 0:
             return request.imported.max_output_tokens
-        max_iter_times = self.config.max_iter_times
-        return min(max_iter_times, request.params.max_tokens or max_iter_times)
+        return output_cap(self.config.max_iter_times, request.params.max_tokens)
 
     def _generator(self, request: EngineRequest) -> torch.Generator | None:
         """The request's own generator, when seeded: as a PD prefill's first token left it when

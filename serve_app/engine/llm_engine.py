@@ -28,8 +28,7 @@ from serve_app.engine.update import Updater
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        # Checked once where it was built: the app config while loading, or `from_overrides`.
-        self.config = config
+        self.config = config  # checked when it was built
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         hf = self.runner.hf_config

@@ -26,6 +26,12 @@ class FinishReason(str, enum.Enum):
     TIMEOUT = "timeout"  # request timeout, tokenTimeout or e2eTimeout
 
 
+def output_cap(max_iter_times: int, max_tokens: int | None) -> int:
+    """Output tokens one request may generate: min(maxIterTimes, max_tokens), maxIterTimes when
+    it names none (reaching maxSeqLen first also ends it)."""
+    return max_iter_times if max_tokens is None else min(max_iter_times, max_tokens)
+
+
 # Maps the sequence generated so far to a boolean mask of allowed next tokens (True = allowed),
 # or None for "no constraint". Used by structured output.
 AllowedTokenFn = Callable[[Sequence[int]], "object | None"]

@@ -50,8 +50,8 @@ class FamilyRequest(Protocol):
     def tokenize_request(self, model: str) -> TokenizeRequest: ...
 
     def replica_request(
-        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults, **route: Any
-    ) -> ReplicaRequest: ...
+        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
+    ) -> ReplicaRequest: ...  # a family may take more, keyword-only (Triton: the route's stream)
 
 
 def pipeline_of(request: Request) -> Pipeline:
@@ -67,7 +67,9 @@ class StopRegistry:
 
     def register(self, key: str) -> asyncio.Event:
         if key in self._events:
-            raise APIError("validation", f"a request with id {key!r} is already running", "id")
+            raise APIError(
+                ErrorKind.VALIDATION, f"a request with id {key!r} is already running", "id"
+            )
         event = self._events[key] = asyncio.Event()
         return event
 
@@ -106,7 +108,7 @@ class Pipeline:
             return self.default_model
         if name not in self.model_names:
             raise APIError(
-                "not_found",
+                ErrorKind.NOT_FOUND,
                 f"model {name!r} is not served here; served models: {', '.join(self.model_names)}",
                 "model",
             )
@@ -127,7 +129,7 @@ class Pipeline:
     ) -> tuple[ReplicaRequest, TokenizedPrompt]:
         """A family's request as the replica request it becomes: its own checks (PD refusals
         first), the prompt from the tokenizer pool, then the server's defaults filled in."""
-        body.check(self.pd_mode)
+        body.check(self.defaults.pd_mode)
         prompt = await self.tokenize(body.tokenize_request(model))
         request_id = self.new_request_id(id_prefix)
         return body.replica_request(request_id, prompt, self.defaults, **route), prompt

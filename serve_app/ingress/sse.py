@@ -67,6 +67,6 @@ async def rendered(
     except Exception as exc:  # a bug, too, must end the stream in the family's envelope
         error = exc if isinstance(exc, APIError) else None
         error = error or APIError(ErrorKind.ENGINE, f"internal error: {exc!r}")
-        yield event(error.body(family))
+        yield event(error.body(family, in_stream=True))
     if done:
         yield DONE

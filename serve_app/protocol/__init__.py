@@ -1,8 +1,11 @@
 """API families: request models, validation, translation to engine params, response rendering.
 
-Place in the request path: between the ingress routes and the handles. One module per family
-(`mindie`, `openai_chat`, `openai_completions`, `triton`); `errors` maps every failure to each
-family's envelope in one place; `fields` holds the range validators that produce the messages
-naming a parameter and its allowed range; `sampling` holds what the families share (finish
-reasons, building `SamplingParams`).
+Place in the request path: between the ingress routes and the handles (docs/lifecycle.md). One
+module per family (`mindie`, `openai_chat`, `openai_completions`, `triton`), whose request model
+translates itself: `check(pd_mode)`, `tokenize_request(model)`, `replica_request(request_id,
+prompt, defaults)`. Shared: `defaults` (`ServerDefaults`, what a request leaves out, built once
+from the config), `pd_refusals` (what PD mode cannot run), `errors` (every failure's
+`ErrorKind` in each family's envelope), `fields` (range validators whose messages name a
+parameter and its range), `sampling` (finish-reason words, `SamplingParams`, the MindIE-style
+`parameters` translation).
 """

@@ -37,14 +37,16 @@ _ENVELOPES: dict[ErrorKind, _Envelope] = {
     K.UNAVAILABLE: _Envelope((503, "Service Unavailable"), (503, "ServiceUnavailableError"), 503),
     K.TOO_LARGE: _Envelope((413, "Payload Too Large"), (413, "BadRequestError"), 413),
 }
-# MindIE words every timeout as an engine callback timeout, whoever noticed it.
+# MindIE words a timeout that fails the request before its response starts as an engine callback
+# timeout, whoever noticed it; a stream that already answered 200 reports it in the replica's
+# own words.
 _MINDIE_TIMEOUT = "Engine callback timeout"
 
 
 class APIError(Exception):
     """A request failed; `param` names the request field at fault (None when none is)."""
 
-    def __init__(self, kind: ErrorKind | str, message: str, param: str | None = None) -> None:
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.kind = ErrorKind(kind)
         self.message = message
@@ -61,11 +63,13 @@ class APIError(Exception):
             return envelope.triton
         return (envelope.mindie if family == "mindie" else envelope.openai)[0]
 
-    def body(self, family: Family) -> dict:
+    def body(self, family: Family, in_stream: bool = False) -> dict:
+        """The family's error body; in_stream: the last event of a stream after its 200."""
         envelope = _ENVELOPES[self.kind]
         if family == "mindie":
             message = self.message
-            if self.kind == K.TIMEOUT and not message.startswith(_MINDIE_TIMEOUT):
+            timeout = self.kind == K.TIMEOUT and not in_stream
+            if timeout and not message.startswith(_MINDIE_TIMEOUT):
                 message = f"{_MINDIE_TIMEOUT}: {message}"
             return {"error": message, "error_type": envelope.mindie[1]}
         if family == "openai":

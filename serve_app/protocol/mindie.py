@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from serve_app.messages import (
     ChoiceDelta,
+    ErrorKind,
     ReplicaChunk,
     ReplicaRequest,
     StepInfo,
@@ -103,14 +104,16 @@ class InferRequest(BaseModel):
         primary = primary or self.primary
         if self.inputs is not None and self.input_id is not None:
             raise APIError(
-                "validation", "Input conflict. Give either inputs or input_id, not both.", primary
+                ErrorKind.VALIDATION,
+                "Input conflict. Give either inputs or input_id, not both.",
+                primary,
             )
         if self.inputs is not None:
             return "inputs", self.inputs
         if self.input_id is not None:
             return "input_id", self.input_id
         other = "input_id" if primary == "inputs" else "inputs"
-        raise APIError("validation", f"{primary} is required (or {other})", primary)
+        raise APIError(ErrorKind.VALIDATION, f"{primary} is required (or {other})", primary)
 
     def seed(self) -> int:
         """The request's seed, or one drawn once (reported back in details.seed)."""

@@ -24,6 +24,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, PlainValidator
 
 from serve_app.messages import (
+    ErrorKind,
     ReplicaChunk,
     ReplicaRequest,
     StepInfo,
@@ -107,7 +108,7 @@ class GenerateParameters(BaseModel):
         a, b = self.max_tokens, self.max_new_tokens
         if a is not None and b is not None and a != b:
             raise APIError(
-                "validation",
+                ErrorKind.VALIDATION,
                 f"parameters.max_tokens ({a}) and parameters.max_new_tokens ({b}) conflict; "
                 "give one of them",
                 "parameters.max_tokens",
@@ -144,7 +145,12 @@ class GenerateRequest(BaseModel):
         return TokenizeRequest(model=model, kind="text", text=self.text_input, param="text_input")
 
     def replica_request(
-        self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults, stream: bool
+        self,
+        request_id: str,
+        prompt: TokenizedPrompt,
+        defaults: ServerDefaults,
+        *,
+        stream: bool = False,
     ) -> ReplicaRequest:
         """stream: the route's (generate_stream), not parameters.stream."""
         params = self.params

@@ -158,9 +158,10 @@ class ModelReplica:
         by the prefill replica) is not repeated: text continues where the prefill's left off,
         and num_output_tokens counts the first token too. The first chunk carries handoff_ms
         (fetch + import), kv_bytes and kv_recomputed. A KV that cannot be fetched (prefill
-        replica gone, object lost, timeout) is recomputed from the prompt, or fails the request
-        under kv_loss_policy "fail". Closing this generator early aborts the request and frees
-        its blocks, at any stage.
+        replica gone, object lost) is recomputed from the prompt, or fails the request under
+        kv_loss_policy "fail"; the request's timeout running out in the fetch fails it
+        (`disagg/handoff.py`). Closing this generator early aborts the request and frees its
+        blocks, at any stage.
         """
         r = req.request
         processor = OutputProcessor(r, self.tokenizer, first_token_id=req.first_token_id)

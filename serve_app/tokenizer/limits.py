@@ -1,16 +1,17 @@
 """Token-count rules of the MindIE APIs, in one place (docs/apis.md#token-count-rules).
 
-Pure Python on purpose: the tokenizer pool, the ingress and the engine all import it, and the API
-layers map `TokenLimitError` to each family's 4xx body. The engine config is duck-typed (any
-object with max_seq_len, max_input_token_len, max_iter_times, truncation) so this module does
-not pull in serve_app.engine.
+Plain Python: the tokenizer pool checks prompts with it (a `TokenLimitError` becomes a rejection
+naming the parameter), the API families take their output caps from it, and the PD flow its
+token counts. Built from the app config (`AppConfig.token_limits`); the output cap itself is the
+engine's rule (`engine.params.output_cap`), so both sides cap alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from serve_app.engine.params import output_cap
 
 # /infer, /infer_token and Triton generate: max_new_tokens defaults to 20, as in MindIE.
 # OpenAI-style max_tokens defaults to maxIterTimes instead: `TokenLimits.default_max_tokens`.
@@ -43,19 +44,6 @@ class TokenLimits:
     truncation: bool = False
     max_position_embeddings: int | None = None  # None: config.json has none, no bound
     vocab_size: int | None = None  # None or 0 (MindIE's default when absent): id range only
-
-    @classmethod
-    def from_engine_config(
-        cls, config: Any, max_position_embeddings: int | None, vocab_size: int | None
-    ) -> TokenLimits:
-        return cls(
-            max_seq_len=config.max_seq_len,
-            max_input_token_len=config.max_input_token_len,
-            max_iter_times=config.max_iter_times,
-            truncation=bool(config.truncation),
-            max_position_embeddings=max_position_embeddings,
-            vocab_size=vocab_size,
-        )
 
     def _with_pos(self, *bounds: int) -> int:
         mpe = self.max_position_embeddings
@@ -120,9 +108,7 @@ class TokenLimits:
         maxIterTimes is clamped, not refused: the documented output is min(maxIterTimes,
         max_tokens) for every route (docs/apis.md#token-count-rules).
         """
-        if max_tokens is None:
-            return self.max_iter_times
-        return min(self.max_iter_times, max_tokens)
+        return output_cap(self.max_iter_times, max_tokens)
 
     def output_budget(self, prompt_len: int, max_tokens: int | None) -> int:
         # Colocated: outputLen = min(maxSeqLen - inputLen, maxOutputLen); hitting it

@@ -85,7 +85,8 @@ def assert_idle(*engines):
 
 
 def limits(engine):
-    return TokenLimits.from_engine_config(engine.config, None, None)
+    c = engine.config
+    return TokenLimits(c.max_seq_len, c.max_input_token_len, c.max_iter_times, c.truncation)
 
 
 def colocated_tokens(engine, prompts, params):

@@ -192,6 +192,9 @@ def test_timeout_in_stream_is_an_error_event(client, kv_idle):
     got = events(response)
     assert set(got[-1]) == {"error", "error_type"}
     assert got[-1]["error_type"] == "Incomplete Generation"
+    # after the 200, in the replica's words (the "Engine callback timeout" wording is for a
+    # timeout before the response starts)
+    assert got[-1]["error"] == "request timed out after 0.4 s (its timeout)"
     assert 1 <= len(got) - 1 < 63  # some tokens came, then the error
     assert kv_idle()
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app.protocol.errors import APIError
-from serve_app.protocol.pd_refusals import PD_UNSUPPORTED as UNSUPPORTED
-from serve_app.protocol.pd_refusals import refuse_in_pd as refuse_unsupported
+from serve_app.protocol.pd_refusals import PD_UNSUPPORTED, refuse_in_pd
 from serve_app.tokenizer.limits import TokenLimits
 
 LIMITS = TokenLimits(max_seq_len=2560, max_input_token_len=2048, max_iter_times=512)
@@ -23,17 +22,17 @@ LIMITS = TokenLimits(max_seq_len=2560, max_input_token_len=2048, max_iter_times=
         (1, 1, 0),  # the prefill's first token is all there is
     ],
 )
-def test_output_limits(max_tokens, total, decode):
+def test_output_token_counts(max_tokens, total, decode):
     assert LIMITS.pd_total_tokens(max_tokens) == total
     assert LIMITS.pd_decode_tokens(max_tokens) == decode
 
 
-@pytest.mark.parametrize("param", UNSUPPORTED)
+@pytest.mark.parametrize("param", PD_UNSUPPORTED)
 def test_each_unsupported_parameter_is_refused_in_pd_mode_only(param):
-    refuse_unsupported(False, {param: True})  # standard mode: fine
-    refuse_unsupported(True, {param: False})  # not given: fine
+    refuse_in_pd(False, {param: True})  # standard mode: fine
+    refuse_in_pd(True, {param: False})  # not given: fine
     with pytest.raises(APIError) as caught:
-        refuse_unsupported(True, {param: True})
+        refuse_in_pd(True, {param: True})
     error = caught.value
     assert error.kind == "unsupported" and error.param == param
     assert error.message == f"{param} is not supported in PD (inferMode dmi) mode"
@@ -43,10 +42,10 @@ def test_each_unsupported_parameter_is_refused_in_pd_mode_only(param):
 
 def test_the_first_given_parameter_is_named():
     with pytest.raises(APIError) as caught:
-        refuse_unsupported(True, {"stop": False, "n": True, "logprobs": True})
+        refuse_in_pd(True, {"stop": False, "n": True, "logprobs": True})
     assert caught.value.param == "n"
 
 
 def test_a_parameter_outside_the_rules_is_a_programming_error():
     with pytest.raises(ValueError):
-        refuse_unsupported(True, {"temperature": True})
+        refuse_in_pd(True, {"temperature": True})

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from serve_app.config import load_config
 from serve_app.tokenizer.limits import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_TOKEN_ID,
@@ -20,9 +19,11 @@ def limits(
     return TokenLimits(seq, inp, it, trunc, mpe, vocab)
 
 
-def test_from_engine_config_duck_typed():
-    cfg = SimpleNamespace(max_seq_len=100, max_input_token_len=80, max_iter_times=30, truncation=1)
-    got = TokenLimits.from_engine_config(cfg, max_position_embeddings=64, vocab_size=1000)
+def test_built_from_the_app_config():
+    deploy = {"maxSeqLen": 100, "maxInputTokenLen": 80, "truncation": True}
+    sched = {"maxIterTimes": 30, "maxPrefillTokens": 80}
+    cfg = load_config({"BackendConfig": {"ModelDeployConfig": deploy, "ScheduleConfig": sched}})
+    got = cfg.token_limits(max_position_embeddings=64, vocab_size=1000)
     assert got == TokenLimits(100, 80, 30, True, 64, 1000)
     assert DEFAULT_MAX_NEW_TOKENS == 20 and got.default_max_tokens == 30
 
