@@ -1,7 +1,7 @@
-"""What both benchmarks share: random prompts, percentiles and token gaps, the machine and load
+"""What the benchmarks share: random prompts, percentiles and token gaps, the machine and load
 a run is measured on, the progress log and the JSON result's common head.
 
-Imported by bench/engine.py and bench/pd.py from the directory they live in.
+Imported by bench/engine.py, bench/pd.py and bench/serve.py from the directory they live in.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def seeded_prompts(num: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, VOCAB_REGULAR, (num, length), generator=gen).tolist()
 
 
-def random_token_ids(rng: random.Random, length: int) -> list[int]:
-    """One prompt of `length` uniform random regular token ids drawn from `rng`."""
-    return [rng.randrange(VOCAB_REGULAR) for _ in range(length)]
+def random_token_ids(rng: random.Random, length: int, vocab: int = VOCAB_REGULAR) -> list[int]:
+    """One prompt of `length` uniform random token ids below `vocab` (default: the demo
+    tokenizer's regular tokens) drawn from `rng`."""
+    return [rng.randrange(vocab) for _ in range(length)]
 
 
 # -- statistics ---------------------------------------------------------------------------------

@@ -1,0 +1,713 @@
+"""Serving load generator: streams requests at any OpenAI-compatible server and sweeps the load.
+
+    # our server (`make serve`: the built-in model `demo` at http://127.0.0.1:8000/v1)
+    .venv/bin/python bench/serve.py --target ours=http://127.0.0.1:8000/v1 \\
+        --prompt-len uniform:64:256 --output-len 128 --ignore-eos --concurrency 1,4,16
+
+    # ours against a vLLM server on port 8001 (same model weights), one line per system
+    .venv/bin/python bench/serve.py --target ours=http://127.0.0.1:8000/v1 \\
+        --target vllm=http://127.0.0.1:8001/v1 --model demo --api chat --ignore-eos
+
+Every request streams (`stream: true`); per request it records the time to the first chunk
+with text (TTFT), the gaps between chunks with text (ITL), the end-to-end time, the output tokens
+(the server's `usage` when sent, else the number of text chunks) and any error (HTTP status,
+error event, exception, per-request timeout). Per target and per load level (a concurrency, or a
+Poisson request rate with `--rate`) it reports throughput and latency percentiles, prints a
+table, writes a JSON result and, with matplotlib, PNG plots. Only the given URLs are contacted.
+See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # importable from a test, not only runnable as a script
+    sys.path.insert(0, str(HERE))
+
+from common import (  # noqa: E402  (bench/common.py, next to this script)
+    RESULTS_DIR,
+    VOCAB_REGULAR,
+    Run,
+    gaps,
+    log,
+    machine_info,
+    percentile_ms,
+    random_token_ids,
+)
+
+DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
+DEFAULT_CONCURRENCY = "1,4,16,32,64"
+INSTALL_HINT = "pip install -e '.[bench]'"
+# Common English words: with a leading space each is one token in the usual BPE vocabularies,
+# so a text prompt of N words is about N tokens for any server (no tokenizer needed here).
+WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force"
+).split()
+# Keys a --workload JSON file may set: the workload flags' names (dashes or underscores).
+WORKLOAD_KEYS = {
+    "api", "prompt_len", "output_len", "token_ids", "vocab_size", "rate", "concurrency",
+    "max_concurrency", "duration", "num_requests", "seed", "ignore_eos", "temperature",
+    "timeout", "warmup",
+}  # fmt: skip
+PEERS_NOT_IMPLEMENTED = (
+    "starting peers is not implemented yet; start the peer server yourself and pass "
+    "--target name=url"
+)
+
+
+# -- lengths and prompts ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Length:
+    """A token count: fixed, uniform in [a, b], or normal(a, b) rounded and clipped to >= 1."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return rng.randint(int(self.a), int(self.b))
+        return max(1, round(rng.gauss(self.a, self.b)))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return str(int(self.a))
+        if self.kind == "uniform":
+            return f"uniform:{int(self.a)}:{int(self.b)}"
+        return f"normal:{self.a:g}:{self.b:g}"
+
+
+def parse_length(spec: str | int) -> Length:
+    """`128`, `uniform:64:256` (both ends included) or `normal:MEAN:STD`."""
+    parts = str(spec).strip().split(":")
+    try:
+        if len(parts) == 1 and int(parts[0]) >= 1:
+            return Length("fixed", int(parts[0]))
+        if len(parts) == 3 and parts[0] == "uniform":
+            lo, hi = int(parts[1]), int(parts[2])
+            if 1 <= lo <= hi:
+                return Length("uniform", lo, hi)
+        if len(parts) == 3 and parts[0] == "normal":
+            mean, std = float(parts[1]), float(parts[2])
+            if mean >= 1 and std >= 0:
+                return Length("normal", mean, std)
+    except ValueError:
+        pass
+    raise ValueError(f"bad length {spec!r}: want N >= 1, uniform:LO:HI or normal:MEAN:STD")
+
+
+def make_prompt(rng: random.Random, args, length: int) -> str | list[int]:
+    """Token ids for completions with --token-ids (exact length), else random words."""
+    if args.api == "completions" and args.token_ids:
+        return random_token_ids(rng, length, args.vocab_size)
+    return " ".join(rng.choice(WORDS) for _ in range(length))
+
+
+def request_body(args, model: str, prompt: str | list[int], max_tokens: int) -> tuple[str, dict]:
+    """(path under the base URL, JSON body) of one streaming request."""
+    body: dict = {"model": model, "max_tokens": max_tokens, "stream": True}
+    # Asked for on both APIs: vLLM then ends a completions stream with a usage chunk as well
+    # (ours always puts usage on the last completions event).
+    body["stream_options"] = {"include_usage": True}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.api == "completions":
+        body["prompt"] = prompt
+        body["temperature"] = args.temperature
+        return "/completions", body
+    body["messages"] = [{"role": "user", "content": prompt}]
+    if args.temperature > 0:
+        body["temperature"] = args.temperature
+    else:  # our chat route takes temperature in (0, 2] (as MindIE); top_k 1 is greedy anywhere
+        body["top_k"] = 1
+    return "/chat/completions", body
+
+
+# -- one request --------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    """One request as the client saw it (perf_counter seconds)."""
+
+    start: float
+    end: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # arrivals of chunks with text
+    output_tokens: int | None = None  # the server's usage.completion_tokens, when sent
+    prompt_tokens: int | None = None
+    done: bool = False  # [DONE] seen
+    error: str | None = None
+    timed_out: bool = False
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.start if self.token_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        # A chunk may carry several tokens (a server batching its output, or text held back
+        # until it is valid UTF-8): that is one gap here, not several.
+        return gaps(self.token_times)
+
+    @property
+    def tokens(self) -> int:
+        return self.output_tokens if self.output_tokens is not None else len(self.token_times)
+
+
+def chunk_has_text(choice: dict) -> bool:
+    """completions chunks carry `text`, chat chunks `delta.content` (a role-only delta has none)."""
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+def note_line(rec: Record, line: str, now: float) -> bool:
+    """Take one SSE line of rec's stream at time `now`; True once the stream is over."""
+    if not line.startswith("data:"):
+        return False  # blank separators, comments, `event:` lines
+    data = line[5:].strip()
+    if data == "[DONE]":
+        rec.done = True
+        return True
+    event = json.loads(data)
+    if event.get("error"):
+        rec.error = f"error event: {json.dumps(event['error'])[:300]}"
+        return True
+    usage = event.get("usage")
+    if usage:
+        rec.output_tokens = usage.get("completion_tokens")
+        rec.prompt_tokens = usage.get("prompt_tokens")
+    if any(chunk_has_text(c) for c in event.get("choices") or []):
+        rec.token_times.append(now)
+    return False
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, rec: Record) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread())[:300]
+            rec.error = f"HTTP {response.status_code}: {text!r}"
+            return
+        async for line in response.aiter_lines():
+            if note_line(rec, line, time.perf_counter()):
+                break
+    if rec.error is None and not rec.done:
+        rec.error = "stream ended without [DONE]"
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float) -> Record:
+    """One streaming request, bounded by timeout_s in all (connect, queueing, generation)."""
+    rec = Record(time.perf_counter())
+    try:
+        await asyncio.wait_for(_stream(client, url, body, rec), timeout_s)
+    except asyncio.TimeoutError:
+        rec.error, rec.timed_out = f"timeout after {timeout_s:g} s", True
+    except (httpx.HTTPError, OSError, ValueError) as exc:  # ValueError: a body that is not JSON
+        rec.error = f"{type(exc).__name__}: {exc}"[:300]
+    rec.end = time.perf_counter()
+    return rec
+
+
+# -- one load level -----------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    base_url: str  # e.g. http://127.0.0.1:8000/v1
+    model: str | None = None
+
+
+class Progress:
+    """A tqdm bar per level when tqdm is installed, else a plain line every quarter."""
+
+    def __init__(self, desc: str, total: int | None, enabled: bool) -> None:
+        self.desc, self.total, self.count, self.errors = desc, total, 0, 0
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, unit="req", leave=False)
+            except ImportError:
+                log(f"{desc}: started")
+
+    def update(self, rec: Record) -> None:
+        self.count += 1
+        self.errors += rec.error is not None
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(errors=self.errors, refresh=False)
+        elif self.enabled and self.total and self.count % max(1, self.total // 4) == 0:
+            log(f"{self.desc}: {self.count}/{self.total} requests, {self.errors} errors")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Requests:
+    """The level's requests in order, from a generator seeded by (seed, level): every target
+    gets the same sequence. Stops at the request count or the level's stop time."""
+
+    def __init__(self, args, model: str, level: float, stop_at: float) -> None:
+        self.args, self.model, self.stop_at = args, model, stop_at
+        self.rng = random.Random(f"{args.seed}:{level}")
+        self.limit = requests_per_level(args, level)
+        self.issued = 0
+
+    def more(self) -> bool:
+        count_left = self.limit is None or self.issued < self.limit
+        return count_left and time.perf_counter() < self.stop_at
+
+    def next(self) -> tuple[str, dict] | None:
+        if not self.more():
+            return None
+        self.issued += 1
+        prompt = make_prompt(self.rng, self.args, self.args.prompt_len.sample(self.rng))
+        return request_body(self.args, self.model, prompt, self.args.output_len.sample(self.rng))
+
+
+def requests_per_level(args, level: float) -> int | None:
+    """--num-requests; without it and without --duration, 4 x the level (at least 16)."""
+    if args.num_requests is not None:
+        return args.num_requests
+    if args.duration is not None:
+        return None
+    return max(16, math.ceil(4 * level))
+
+
+async def closed_loop(client, target: Target, reqs: Requests, level: int, on_done) -> None:
+    """Fixed concurrency: `level` workers, each sending its next request when one finishes."""
+
+    async def worker() -> None:
+        while (item := reqs.next()) is not None:
+            path, body = item
+            on_done(await send(client, target.base_url + path, body, reqs.args.timeout))
+
+    await asyncio.gather(*(worker() for _ in range(level)))
+
+
+async def open_loop(client, target: Target, reqs: Requests, rate: float, on_done) -> None:
+    """Poisson arrivals at `rate` req/s, at most --max-concurrency in flight."""
+    arrivals = random.Random(f"{reqs.args.seed}:{rate}:arrivals")
+    slots = asyncio.Semaphore(reqs.args.max_concurrency)
+
+    async def one(path: str, body: dict) -> None:
+        async with slots:
+            on_done(await send(client, target.base_url + path, body, reqs.args.timeout))
+
+    tasks, due = [], time.perf_counter()
+    while (item := reqs.next()) is not None:
+        tasks.append(asyncio.create_task(one(*item)))
+        if not reqs.more():  # the last one: no wait for an arrival that will not come
+            break
+        due += arrivals.expovariate(rate)
+        await asyncio.sleep(max(0.0, min(due, reqs.stop_at) - time.perf_counter()))
+    await asyncio.gather(*tasks)
+
+
+async def run_level(client, target: Target, args, level: float, deadline: float) -> dict:
+    """Every request of one level against one target, then its figures."""
+    t0 = time.perf_counter()
+    stop_at = min(deadline, t0 + args.duration if args.duration is not None else math.inf)
+    reqs = Requests(args, target.model, level, stop_at)
+    label = f"rate {level:g}/s" if args.rate else f"concurrency {int(level)}"
+    progress = Progress(f"{target.name} {label}", reqs.limit, args.progress)
+    records: list[Record] = []
+
+    def on_done(rec: Record) -> None:
+        records.append(rec)
+        progress.update(rec)
+
+    try:
+        if args.rate:
+            await open_loop(client, target, reqs, level, on_done)
+        else:
+            await closed_loop(client, target, reqs, int(level), on_done)
+    finally:
+        progress.close()
+    return summarize(records, time.perf_counter() - t0, level)
+
+
+# -- figures ------------------------------------------------------------------------------------
+
+
+def summarize(records: list[Record], wall_s: float, level: float) -> dict:
+    """The level's figures; latencies in ms over successful requests, ITL pooled over them."""
+    ok = [r for r in records if r.error is None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [g for r in ok for g in r.itls]
+    e2es = [r.end - r.start for r in ok]
+    tokens = sum(r.tokens for r in ok)
+    prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    errors = [r for r in records if r.error is not None]
+    return {
+        "level": level,
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": len(errors),
+        "timeouts": sum(r.timed_out for r in errors),
+        "error_samples": sorted({r.error for r in errors})[:3],
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "mean_output_tokens": tokens / len(ok) if ok else None,
+        "mean_prompt_tokens": sum(prompt) / len(prompt) if prompt else None,
+        "usage_reported": sum(r.output_tokens is not None for r in ok),
+        **{f"ttft_p{q}_ms": percentile_ms(ttfts, q / 100) for q in (50, 90, 99)},
+        **{f"itl_p{q}_ms": percentile_ms(itls, q / 100) for q in (50, 90, 99)},
+        **{f"e2e_p{q}_ms": percentile_ms(e2es, q / 100) for q in (50, 99)},
+    }
+
+
+COLUMNS = [  # (figure key, header, width, format)
+    ("requests", "reqs", 5, "d"),
+    ("errors", "err", 4, "d"),
+    ("output_tokens_per_s", "out tok/s", 10, ".1f"),
+    ("requests_per_s", "req/s", 7, ".2f"),
+    ("ttft_p50_ms", "TTFT p50", 9, ".1f"),
+    ("ttft_p90_ms", "p90", 8, ".1f"),
+    ("ttft_p99_ms", "p99", 8, ".1f"),
+    ("itl_p50_ms", "ITL p50", 8, ".1f"),
+    ("itl_p90_ms", "p90", 8, ".1f"),
+    ("itl_p99_ms", "p99", 8, ".1f"),
+    ("e2e_p50_ms", "e2e p50", 9, ".0f"),
+    ("e2e_p99_ms", "p99", 8, ".0f"),
+    ("mean_output_tokens", "mean out", 9, ".1f"),
+]
+
+
+def print_table(results: dict, args) -> None:
+    what = "rate/s" if args.rate else "conc"
+    head = f"{'target':<12} {what:>6}" + "".join(f" {h:>{w}}" for _, h, w, _ in COLUMNS)
+    print(f"\n{head}\n{'-' * len(head)}")
+    for name, res in results.items():
+        for fig in res["levels"]:
+            cells = []
+            for key, _, width, fmt in COLUMNS:
+                value = fig.get(key)
+                cells.append(f" {'-' if value is None else format(value, fmt):>{width}}")
+            print(f"{name:<12} {fig['level']:>6g}" + "".join(cells))
+    print("latencies in ms; ITL = gaps between chunks with text (a multi-token chunk is one gap)")
+
+
+def _series(res: dict, key: str) -> tuple[list[float], list[float]]:
+    """(levels, figures) of one target; a figure a level lacks (all failed) is a gap."""
+    xs = [f["level"] for f in res["levels"]]
+    return xs, [math.nan if f[key] is None else f[key] for f in res["levels"]]
+
+
+def _finish(ax, levels: list, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale="log")
+    ax.set_xticks(levels, [f"{x:g}" for x in levels])  # the levels themselves, not 10^k
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+
+
+def plot(results: dict, prefix: Path, args) -> list[Path]:
+    """PREFIX-throughput.png and PREFIX-latency.png, one line per target; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed, so no plots; to get them: {INSTALL_HINT}")
+        return []
+    xlabel = "request rate (req/s)" if args.rate else "concurrency"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = [Path(f"{prefix}-throughput.png"), Path(f"{prefix}-latency.png")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, res in results.items():
+        ax.plot(*_series(res, "output_tokens_per_s"), marker="o", label=name)
+    _finish(ax, args.levels, xlabel, "output tokens/s", "throughput")
+    fig.savefig(paths[0], dpi=100, bbox_inches="tight")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in zip(axes, ("ttft", "itl"), ("TTFT", "inter-token latency"), strict=True):
+        for i, (name, res) in enumerate(results.items()):
+            for q, style in ((50, "-"), (90, "--"), (99, ":")):
+                xs, ys = _series(res, f"{key}_p{q}_ms")
+                ax.plot(xs, ys, style, color=f"C{i}", marker="o", label=f"{name} p{q}")
+        _finish(ax, args.levels, xlabel, "ms", title)
+    fig.savefig(paths[1], dpi=100, bbox_inches="tight")
+    plt.close("all")
+    return paths
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+async def discover_model(client: httpx.AsyncClient, target: Target) -> str:
+    """The first model `GET {base}/models` lists."""
+    response = await client.get(target.base_url + "/models")
+    response.raise_for_status()
+    data = response.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"{target.name}: {target.base_url}/models lists no model")
+    return data[0]["id"]
+
+
+async def resolve_model(client: httpx.AsyncClient, target: Target, args) -> str | None:
+    """Set target.model (--model, else the server's first); the error text when that fails."""
+    try:
+        target.model = args.model or await discover_model(client, target)
+    except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
+        log(f"{target.name}: no model from {target.base_url}/models ({exc}); skipped")
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+async def bench_target(target: Target, args, deadline: float) -> dict:
+    """Warm-up, then every level in turn (those past the overall limit are skipped)."""
+    top = max(args.levels) if not args.rate else args.max_concurrency
+    limits = httpx.Limits(max_connections=int(top) + 8, max_keepalive_connections=int(top) + 8)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout)) as client:
+        error = await resolve_model(client, target, args)
+        if error is not None:  # one unreachable target must not cost the others their results
+            skipped = list(args.levels)
+            return {"url": target.base_url, "model": None, "levels": [], "skipped": skipped,
+                    "error": error}  # fmt: skip
+        warm = Requests(args, target.model, -1, deadline)  # its own seed: not a measured prompt
+        for _ in range(args.warmup):
+            path, body = warm.next() or request_body(args, target.model, "hello", 2)
+            await send(client, target.base_url + path, body, args.timeout)
+        levels, skipped = [], []
+        for level in args.levels:
+            if time.perf_counter() >= deadline:
+                skipped.append(level)
+                continue
+            levels.append(await run_level(client, target, args, level, deadline))
+    return {
+        "url": target.base_url,
+        "model": target.model,
+        "levels": levels,
+        "skipped": skipped,
+        "error": None,
+    }
+
+
+async def bench_all(args) -> dict:
+    deadline = time.perf_counter() + args.max_run_s
+    results = {}
+    for target in args.targets:
+        log(f"{target.name}: {target.base_url}")
+        results[target.name] = await bench_target(target, args, deadline)
+    return results
+
+
+def workload_record(args) -> dict:
+    """The workload as the JSON result describes it."""
+    prompts = (
+        f"uniform random token ids below {args.vocab_size}"
+        if args.api == "completions" and args.token_ids
+        else "random common English words (about one token each)"
+    )
+    return {
+        "api": args.api,
+        "prompt_len": str(args.prompt_len),
+        "output_len": str(args.output_len),
+        "prompts": f"{prompts}, random.Random('SEED:LEVEL'), the same for every target",
+        "mode": "poisson_rate" if args.rate else "concurrency",
+        "levels": args.levels,
+        "max_concurrency": args.max_concurrency if args.rate else None,
+        "num_requests": args.num_requests,
+        "duration_s": args.duration,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "warmup_requests": args.warmup,
+        "request_timeout_s": args.timeout,
+        "max_run_s": args.max_run_s,
+        "itl": "gaps between chunks that carry text; a chunk with several tokens is one gap",
+        "output_tokens": "usage.completion_tokens when the server sends it, else text chunks",
+    }
+
+
+def bench(args) -> dict:
+    """Run the sweep against every target; print the table, write the JSON (and plots)."""
+    run = Run.begin(machine_info(("httpx",), client="bench/serve.py"))
+    results = asyncio.run(bench_all(args))
+    print_table(results, args)
+    body = {
+        "workload": workload_record(args),
+        "targets": {t.name: {"url": t.base_url, "model": t.model} for t in args.targets},
+        "results": results,
+    }
+    run.write(args.out, **body)
+    if args.plot is not None:
+        for path in plot(results, args.plot, args):
+            print(f"wrote {path}")
+    return body
+
+
+# -- arguments ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        metavar="NAME=URL",
+        help=f"an OpenAI-compatible base URL, repeatable (default {DEFAULT_TARGET})",
+    )
+    p.add_argument("--model", help="served model name (default: the first of GET {base}/models)")
+    p.add_argument("--workload", type=Path, help="JSON file with workload keys (flags win)")
+    add_workload_args(p)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.json")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PREFIX",
+        help="PNG prefix (default: --out without .json); needs matplotlib",
+    )
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--peers", nargs="?", const="", help="reserved: not implemented yet")
+    return p
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The flags a --workload file may set too (WORKLOAD_KEYS)."""
+    p.add_argument("--api", choices=["completions", "chat"], default="completions")
+    p.add_argument("--prompt-len", default="128", help="N, uniform:LO:HI or normal:MEAN:STD")
+    p.add_argument("--output-len", default="128", help="max_tokens: N, uniform:LO:HI, normal:M:S")
+    p.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="completions: send the prompt as random token ids (exact lengths)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=VOCAB_REGULAR,
+        help="token ids are drawn below this (default: the demo tokenizer's)",
+    )
+    p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="levels of the sweep")
+    p.add_argument(
+        "--rate",
+        default=None,
+        help="Poisson request rates (req/s) as the levels instead of concurrencies",
+    )
+    p.add_argument("--max-concurrency", type=int, default=256, help="in flight cap with --rate")
+    p.add_argument("--duration", type=float, help="seconds per level (stop sending after)")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        help="requests per level (default: 4 x level, >= 16, unless --duration)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per target")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request limit, seconds")
+    p.add_argument(
+        "--max-run-s",
+        type=float,
+        default=3600.0,
+        help="overall limit: no level starts, and no request is sent, after it",
+    )
+
+
+def load_workload(path: Path, parser: argparse.ArgumentParser) -> dict:
+    """The workload file's keys as parser defaults, so that flags given explicitly win."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"--workload {path}: {exc}")
+    if not isinstance(raw, dict):
+        parser.error(f"--workload {path}: want a JSON object")
+    values = {key.replace("-", "_"): value for key, value in raw.items()}
+    unknown = sorted(set(values) - WORKLOAD_KEYS)
+    if unknown:
+        parser.error(f"--workload {path}: unknown keys {unknown}; known {sorted(WORKLOAD_KEYS)}")
+    for key in ("concurrency", "rate"):  # lists in JSON, comma lists on the command line
+        if isinstance(values.get(key), list):
+            values[key] = ",".join(str(v) for v in values[key])
+    return values
+
+
+def parse_levels(text, kind, parser) -> list:
+    try:
+        levels = [kind(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(x <= 0 for x in levels):
+        parser.error(f"bad levels {text!r}: want a comma list of positive numbers")
+    return levels
+
+
+def parse_target(text: str) -> Target:
+    name, sep, url = text.partition("=")
+    if not sep:  # a bare URL names itself
+        name, url = text, text
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"bad --target {text!r}: want NAME=http(s)://host:port/v1")
+    return Target(name, url.rstrip("/"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.workload is not None:
+        parser.set_defaults(**load_workload(first.workload, parser))
+    args = parser.parse_args(argv)
+    if args.peers is not None:  # the flag is reserved so that its meaning cannot change later
+        print(PEERS_NOT_IMPLEMENTED, file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        args.prompt_len = parse_length(args.prompt_len)
+        args.output_len = parse_length(args.output_len)
+        args.targets = [parse_target(t) for t in args.target or [DEFAULT_TARGET]]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len({t.name for t in args.targets}) != len(args.targets):
+        parser.error("--target names must differ")
+    args.rate = parse_levels(args.rate, float, parser) if args.rate is not None else None
+    args.levels = args.rate or parse_levels(args.concurrency, int, parser)
+    if args.duration is not None and args.duration <= 0:
+        parser.error("--duration must be > 0")
+    if args.num_requests is not None and args.num_requests < 1:
+        parser.error("--num-requests must be >= 1")
+    if args.timeout <= 0 or args.max_run_s <= 0:
+        parser.error("--timeout and --max-run-s must be > 0")
+    if args.plot is None and not args.no_plot:
+        args.plot = args.out.with_suffix("")
+    elif args.no_plot:
+        args.plot = None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

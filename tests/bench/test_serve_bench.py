@@ -1,0 +1,222 @@
+"""bench/serve.py against the app served in process by uvicorn on a real socket (no Ray), plus
+its pure parts: the length distributions and the SSE parsing of hand-written streams."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from serve_app.config import load_config
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+CONFIG = {
+    "BackendConfig": {
+        "ModelDeployConfig": {
+            "maxSeqLen": 256,
+            "maxInputTokenLen": 128,
+            "ModelConfig": [{"modelName": "demo", "modelWeightPath": "demo-tiny"}],
+        },
+        "ScheduleConfig": {
+            "maxIterTimes": 16,
+            "maxPrefillTokens": 256,
+            "cacheBlockSize": 16,
+            "kvCacheBlocks": 64,
+        },
+    }
+}
+
+
+def load_serve_bench():
+    """bench/serve.py as a module (bench/ is not a package)."""
+    if "bench_serve" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serve"] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    return sys.modules["bench_serve"]
+
+
+@pytest.fixture(scope="module")
+def sb():
+    return load_serve_bench()
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """The app on 127.0.0.1:<free port>, served by uvicorn in a background thread."""
+    import uvicorn
+
+    from serve_app.ingress.app import create_app
+    from serve_app.ingress.backend import LocalBackend
+    from serve_app.replica.model_replica import ModelReplica
+    from serve_app.tokenizer.pool import TokenizerPool
+
+    config = load_config(CONFIG)
+    replica = ModelReplica(config)
+    app = create_app(config, LocalBackend(TokenizerPool(config), {"demo": replica}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        replica.shutdown()
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+
+def test_parse_length(sb):
+    rng = random.Random(0)
+    assert str(sb.parse_length("128")) == "128"
+    assert sb.parse_length(7).sample(rng) == 7
+    uniform = sb.parse_length("uniform:3:5")
+    assert str(uniform) == "uniform:3:5"
+    assert {uniform.sample(rng) for _ in range(200)} == {3, 4, 5}
+    normal = sb.parse_length("normal:10:100")
+    assert all(normal.sample(rng) >= 1 for _ in range(200))
+    for bad in ("0", "-3", "uniform:5:3", "uniform:0:4", "zipf:1:2", "uniform:1", "x"):
+        with pytest.raises(ValueError):
+            sb.parse_length(bad)
+
+
+def feed(sb, lines: list[str]):
+    """A Record fed `lines` one per second after its start at 0; stops where note_line does."""
+    rec = sb.Record(start=0.0)
+    for t, line in enumerate(lines, start=1):
+        if sb.note_line(rec, line, float(t)):
+            break
+    return rec
+
+
+def test_sse_completions_stream(sb):
+    rec = feed(
+        sb,
+        [
+            'data: {"choices":[{"index":0,"text":"Hel","finish_reason":null}]}',
+            "",
+            ": a comment",
+            'data: {"choices":[{"index":0,"text":"lo there","finish_reason":null}]}',
+            'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}],'
+            '"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}',
+            "data: [DONE]",
+            'data: {"choices":[{"index":0,"text":"after done"}]}',
+        ],
+    )
+    assert rec.done and rec.error is None
+    assert rec.token_times == [1.0, 4.0]  # the chunks with text; the empty last one is not
+    assert rec.ttft == 1.0 and rec.itls == [3.0]
+    assert rec.tokens == 4 and rec.prompt_tokens == 5  # usage wins over the chunk count
+
+
+def test_sse_chat_stream(sb):
+    head = '"object":"chat.completion.chunk","model":"demo"'
+    rec = feed(
+        sb,
+        [
+            f'data: {{{head},"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+            '"finish_reason":null}],"usage":null}',
+            f'data: {{{head},"choices":[{{"index":0,"delta":{{"content":"Hi"}}}}],"usage":null}}',
+            f'data: {{{head},"choices":[{{"index":0,"delta":{{"content":"!"}}}}],"usage":null}}',
+            f'data: {{{head},"choices":[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}',
+            f'data: {{{head},"choices":[],"usage":{{"prompt_tokens":9,"completion_tokens":2}}}}',
+            "data: [DONE]",
+        ],
+    )
+    assert rec.done and rec.error is None
+    assert rec.token_times == [2.0, 3.0] and rec.ttft == 2.0 and rec.itls == [1.0]
+    assert rec.tokens == 2 and rec.prompt_tokens == 9
+    no_usage = feed(sb, ['data: {"choices":[{"delta":{"content":"a"}}]}', "data: [DONE]"])
+    assert no_usage.output_tokens is None and no_usage.tokens == 1  # counted from the chunks
+    failed = feed(sb, ['data: {"error":{"message":"boom","code":500}}', "data: [DONE]"])
+    assert failed.error and "boom" in failed.error and not failed.done
+
+
+def test_peers_is_reserved(sb, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sb.parse_args(["--peers", "vllm"])
+    assert exc.value.code == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_workload_file_and_flags(sb, tmp_path):
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"prompt-len": "uniform:4:8", "concurrency": [2, 3], "seed": 5}))
+    args = sb.parse_args(["--workload", str(workload), "--seed", "7", "--no-plot"])
+    assert str(args.prompt_len) == "uniform:4:8" and args.levels == [2, 3]
+    assert args.seed == 7  # a flag given explicitly wins over the file
+    assert args.plot is None and args.targets[0].name == "ours"
+
+
+# -- against the server ---------------------------------------------------------------------------
+
+LEVEL_KEYS = {
+    "level", "requests", "completed", "errors", "timeouts", "error_samples", "wall_s",
+    "output_tokens", "output_tokens_per_s", "requests_per_s", "mean_output_tokens",
+    "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
+    "e2e_p50_ms", "e2e_p99_ms",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_sweep_against_the_app(sb, base_url, tmp_path, api):
+    out = tmp_path / f"serve-{api}.json"
+    argv = [
+        f"--target=ours={base_url}",
+        f"--target=again={base_url}/",  # a second target: one entry per target everywhere
+        f"--api={api}",
+        "--concurrency=1,2",
+        "--num-requests=3",
+        "--prompt-len=uniform:4:8",
+        "--output-len=6",
+        "--ignore-eos",
+        "--warmup=1",
+        "--timeout=60",
+        "--max-run-s=120",
+        "--no-progress",
+        f"--out={out}",
+        f"--plot={tmp_path / api}",
+    ]
+    if api == "completions":
+        argv.append("--token-ids")
+    sb.bench(sb.parse_args(argv))
+
+    report = json.loads(out.read_text())
+    assert {"date", "machine", "loadavg_start", "workload", "targets", "results"} <= set(report)
+    assert report["workload"]["api"] == api and report["workload"]["levels"] == [1, 2]
+    assert set(report["results"]) == {"ours", "again"}
+    for name, res in report["results"].items():
+        assert res["model"] == "demo" and res["url"] == base_url  # asked from GET /v1/models
+        assert [lvl["level"] for lvl in res["levels"]] == [1, 2] and res["skipped"] == []
+        for lvl in res["levels"]:
+            assert LEVEL_KEYS <= set(lvl), (name, set(LEVEL_KEYS) - set(lvl))
+            assert lvl["errors"] == 0, lvl["error_samples"]
+            assert lvl["requests"] == lvl["completed"] == 3
+            assert lvl["output_tokens"] == 3 * 6 and lvl["mean_output_tokens"] == 6
+            assert lvl["usage_reported"] == 3  # both APIs send usage on our server
+            for key in ("ttft", "itl"):
+                assert all(lvl[f"{key}_p{q}_ms"] > 0 for q in (50, 90, 99))
+            assert lvl["e2e_p99_ms"] >= lvl["e2e_p50_ms"] > 0
+            assert lvl["output_tokens_per_s"] > 0 and lvl["requests_per_s"] > 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / f"{api}-throughput.png").exists()
+        assert (tmp_path / f"{api}-latency.png").exists()
