@@ -18,6 +18,8 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import torch
+
 from serve_app.config import AppConfig, accelerator_env
 from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.disagg.handoff import KV_LOSS_POLICIES, Handoff, HandoffFailed, fetch_kv
@@ -83,7 +85,8 @@ class ModelReplica:
         runner = self.engine.engine.runner
         print(
             f"model replica {self.replica_id}: {self.model_name!r} ready on {runner.device} "
-            f"({runner.dtype}, {runner.num_blocks} KV blocks) in {time.monotonic() - start:.1f} s",
+            f"({runner.dtype}, {runner.num_blocks} KV blocks, {torch.get_num_threads()} torch "
+            f"threads) in {time.monotonic() - start:.1f} s",
             flush=True,
         )
 
