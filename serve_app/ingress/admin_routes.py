@@ -59,7 +59,7 @@ def _model_card(p: Pipeline, name: str) -> dict:
         "object": "model",
         "created": p.created,
         "owned_by": "serve_app",
-        "max_model_len": p.limits.max_seq_len,
+        "max_model_len": p.defaults.limits.max_seq_len,
     }
 
 
@@ -68,7 +68,7 @@ async def server_metadata(p: Pipeline = Depends(pipeline_of)) -> dict:
     return {
         "name": "serve_app",
         "version": "0.1.0",
-        "extensions": {"max_iter_times": p.limits.max_iter_times, "generate": True},
+        "extensions": {"max_iter_times": p.defaults.limits.max_iter_times, "generate": True},
     }
 
 

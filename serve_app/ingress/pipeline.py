@@ -93,9 +93,7 @@ class Pipeline:
         self.default_model = self.model_names[0]
         # Model-independent limits for the protocol layer (output caps and defaults); the
         # tokenizer pool applies the full rules with each model's max_position_embeddings.
-        self.limits = config.token_limits()
-        self.pd_mode = config.pd_mode
-        self.defaults = ServerDefaults(self.limits, self.pd_mode)
+        self.defaults = ServerDefaults(config.token_limits(), config.pd_mode)
         self.stops = StopRegistry()
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -145,8 +143,8 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + req.timeout_s + _BACKSTOP_S if req.timeout_s else None
-        if self.pd_mode:
-            upstream = pd_generate(self.backend, model, req, self.limits)
+        if self.defaults.pd_mode:
+            upstream = pd_generate(self.backend, model, req, self.defaults.limits)
         else:
             upstream = self.backend.generate(model, req)
         self.metrics.received.labels(model).inc()
@@ -182,7 +180,7 @@ class Pipeline:
                 if chunk.error is not None:
                     self.metrics.update_stats(model, chunk.stats)
                     raise APIError(chunk.error_kind or ErrorKind.ENGINE, chunk.error)
-                if self.pd_mode and num_chunks < 2:
+                if self.defaults.pd_mode and num_chunks < 2:
                     observe = (self.metrics.observe_prefill, self.metrics.observe_first_decode)
                     observe[num_chunks](model, chunk)
                 num_chunks += 1
