@@ -13,8 +13,10 @@ with text (TTFT), the gaps between chunks with text (ITL), the end-to-end time, 
 (the server's `usage` when sent, else the number of text chunks) and any error (HTTP status,
 error event, exception, per-request timeout). Per target and per load level (a concurrency, or a
 Poisson request rate with `--rate`) it reports throughput and latency percentiles, prints a
-table, writes a JSON result and, with matplotlib, PNG plots. Only the given URLs are contacted.
-See bench/README.md.
+table, writes a JSON result and, with matplotlib, PNG plots. Only the given URLs are contacted,
+and the peers `--peers` starts (bench/peers.py: vLLM's CPU build, `transformers serve`) on the
+same weights folder, one after the other, after the targets; the table then gives each
+target's throughput as a ratio to each peer's at every level. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     percentile_ms,
     random_token_ids,
 )
+from peers import Peer, PeerUnavailable, parse_peers  # noqa: E402
 
 DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
 DEFAULT_CONCURRENCY = "1,4,16,32,64"
@@ -66,10 +69,6 @@ WORKLOAD_KEYS = {
     "max_concurrency", "duration", "num_requests", "seed", "ignore_eos", "temperature",
     "timeout", "warmup",
 }  # fmt: skip
-PEERS_NOT_IMPLEMENTED = (
-    "starting peers is not implemented yet; start the peer server yourself and pass "
-    "--target name=url"
-)
 
 
 # -- lengths and prompts ------------------------------------------------------------------------
@@ -411,6 +410,26 @@ def print_table(results: dict, args) -> None:
                 cells.append(f" {'-' if value is None else format(value, fmt):>{width}}")
             print(f"{name:<12} {fig['level']:>6g}" + "".join(cells))
     print("latencies in ms; ITL = gaps between chunks with text (a multi-token chunk is one gap)")
+    for line in ratio_lines(results, args):
+        print(line)
+
+
+def ratio_lines(results: dict, args) -> list[str]:
+    """Each target's output tokens/s over each peer's, level by level (peers: --peers)."""
+    peers = [name for name in args.peers if results.get(name, {}).get("levels")]
+    lines = []
+    for name in (t.name for t in args.targets):
+        mine = {f["level"]: f["output_tokens_per_s"] for f in results[name]["levels"]}
+        for peer in peers:
+            theirs = {f["level"]: f["output_tokens_per_s"] for f in results[peer]["levels"]}
+            cells = [
+                f"{level:g}: {mine[level] / theirs[level]:.2f}x"
+                for level in args.levels
+                if mine.get(level) and theirs.get(level)
+            ]
+            if cells:
+                lines.append(f"{name} / {peer} output tok/s  " + "  ".join(cells))
+    return lines
 
 
 def _series(res: dict, key: str) -> tuple[list[float], list[float]]:
@@ -473,7 +492,7 @@ async def discover_model(client: httpx.AsyncClient, target: Target) -> str:
 async def resolve_model(client: httpx.AsyncClient, target: Target, args) -> str | None:
     """Set target.model (--model, else the server's first); the error text when that fails."""
     try:
-        target.model = args.model or await discover_model(client, target)
+        target.model = target.model or args.model or await discover_model(client, target)
     except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
         log(f"{target.name}: no model from {target.base_url}/models ({exc}); skipped")
         return f"{type(exc).__name__}: {exc}"
@@ -515,7 +534,35 @@ async def bench_all(args) -> dict:
     for target in args.targets:
         log(f"{target.name}: {target.base_url}")
         results[target.name] = await bench_target(target, args, deadline)
+    for name in args.peers:
+        results[name] = await bench_peer(name, args, deadline)
     return results
+
+
+async def bench_peer(name: str, args, deadline: float) -> dict:
+    """Start the peer on the same weights, run the same levels against it, stop it."""
+    peer = Peer(
+        name,
+        args.peer_model_dir,
+        args.model or (args.targets[0].model or "demo"),
+        args.peer_dtype,
+        args.out.with_name(f"{args.out.stem}-{name}.log"),
+        start_timeout_s=args.peer_start_timeout,
+    )
+    try:
+        model = await asyncio.to_thread(peer.start)
+        target = Target(name, peer.base_url, model)
+        log(f"{name}: {target.base_url} (model {model!r}, weights {args.peer_model_dir})")
+        result = await bench_target(target, args, deadline)
+    except PeerUnavailable as exc:
+        log(f"{name}: skipped: {exc}")
+        result = {"url": None, "model": None, "levels": [], "skipped": list(args.levels),
+                  "error": str(exc)}  # fmt: skip
+    finally:
+        await asyncio.to_thread(peer.stop)
+    result["peer"] = {"weights": str(args.peer_model_dir), "dtype": args.peer_dtype,
+                      "command": peer.describe(), "log": str(peer.log)}  # fmt: skip
+    return result
 
 
 def workload_record(args) -> dict:
@@ -554,6 +601,7 @@ def bench(args) -> dict:
     body = {
         "workload": workload_record(args),
         "targets": {t.name: {"url": t.base_url, "model": t.model} for t in args.targets},
+        "peers": args.peers,
         "results": results,
     }
     run.write(args.out, **body)
@@ -588,7 +636,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--peers", nargs="?", const="", help="reserved: not implemented yet")
+    p.add_argument(
+        "--peers",
+        nargs="?",
+        const="",
+        metavar="vllm,transformers",
+        help="also start these peer servers (default: both) on --peer-model-dir, one after "
+        "the other after the targets, and bench them the same way",
+    )
+    p.add_argument(
+        "--peer-model-dir",
+        type=Path,
+        help="weights folder for the peers (default: the built-in demo model, the weights "
+        "`make serve` serves)",
+    )
+    p.add_argument("--peer-dtype", default="bfloat16", help="peers' dtype (default bfloat16)")
+    p.add_argument(
+        "--peer-start-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a peer may take to install (first use) and answer",
+    )
     return p
 
 
@@ -677,17 +745,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if first.workload is not None:
         parser.set_defaults(**load_workload(first.workload, parser))
     args = parser.parse_args(argv)
-    if args.peers is not None:  # the flag is reserved so that its meaning cannot change later
-        print(PEERS_NOT_IMPLEMENTED, file=sys.stderr)
-        raise SystemExit(2)
     try:
+        args.peers = parse_peers(args.peers) if args.peers is not None else []
         args.prompt_len = parse_length(args.prompt_len)
         args.output_len = parse_length(args.output_len)
         args.targets = [parse_target(t) for t in args.target or [DEFAULT_TARGET]]
     except ValueError as exc:
         parser.error(str(exc))
-    if len({t.name for t in args.targets}) != len(args.targets):
-        parser.error("--target names must differ")
+    names = [t.name for t in args.targets] + args.peers
+    if len(set(names)) != len(names):
+        parser.error("--target names must differ (from each other and from --peers)")
+    if args.peers and args.peer_model_dir is None:
+        from serve_app.models.demo import ensure_demo_model
+
+        args.peer_model_dir = ensure_demo_model("demo")
     args.rate = parse_levels(args.rate, float, parser) if args.rate is not None else None
     args.levels = args.rate or parse_levels(args.concurrency, int, parser)
     if args.duration is not None and args.duration <= 0:

@@ -165,6 +165,28 @@ class ReplicaChunk:
     kv_bytes: int = 0
     kv_recomputed: bool = False
 
+    def absorb(self, later: ReplicaChunk) -> None:
+        """Appends a later chunk of the same request (a stream folded into fewer chunks: the
+        non-stream response, or outputs coalesced while the consumer was behind). The later
+        chunk is left as it was."""
+        self.steps = self.steps + later.steps
+        self.finished = later.finished
+        self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
+        if later.error is not None:
+            self.error, self.error_kind = later.error, later.error_kind
+        self.stats = later.stats or self.stats
+        self.replica_id = later.replica_id or self.replica_id
+        if self.handoff_ms is None:
+            self.handoff_ms = later.handoff_ms
+        self.kv_bytes = self.kv_bytes or later.kv_bytes
+        self.kv_recomputed = self.kv_recomputed or later.kv_recomputed
+        by_index = {choice.index: choice for choice in self.choices}
+        for delta in later.choices:
+            if delta.index not in by_index:
+                by_index[delta.index] = ChoiceDelta(index=delta.index, token_ids=[], text="")
+            by_index[delta.index].absorb(delta)
+        self.choices = [by_index[i] for i in sorted(by_index)]
+
 
 # -- prefill/decode disaggregation ------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import pytest
 
 from serve_app.config import ConfigError, load_config
 from serve_app.replica.options import (
+    SERVE_FAST_PATH_ENV,
     ingress_options,
     model_replica_options,
     tokenizer_pool_options,
@@ -37,7 +38,8 @@ def test_model_replicas_ask_for_their_accelerator(resources, device, expect):
             }
         }
     )
-    assert model_replica_options(config, 0, resources)["ray_actor_options"] == expect
+    actor = model_replica_options(config, 0, resources)["ray_actor_options"]
+    assert actor == {**expect, "runtime_env": {"env_vars": SERVE_FAST_PATH_ENV}}
 
 
 def test_user_options_merge_over_the_derived_ones_per_role():
@@ -64,6 +66,32 @@ def test_ingress_and_tokenizer_pool_defaults_follow_mindie_limits():
     )
     ingress = ingress_options(config)
     assert (ingress["max_ongoing_requests"], ingress["max_queued_requests"]) == (300, 600)
-    assert ingress["ray_actor_options"] == {"num_cpus": 0}
+    assert ingress["ray_actor_options"]["num_cpus"] == 0
     pool = tokenizer_pool_options(config)
-    assert pool["num_replicas"] == 3 and pool["ray_actor_options"] == {"num_cpus": 0}
+    assert pool["num_replicas"] == 3 and pool["ray_actor_options"]["num_cpus"] == 0
+
+
+def test_every_deployment_runs_serves_fast_path_and_user_env_vars_win():
+    config = load_config(
+        {
+            "Deployments": {
+                "ModelReplica": {
+                    "ray_actor_options": {
+                        "runtime_env": {
+                            "pip": ["x"],
+                            "env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "MINE": "1"},
+                        }
+                    }
+                }
+            }
+        }
+    )
+    for options in (ingress_options(config), tokenizer_pool_options(config)):
+        assert options["ray_actor_options"]["runtime_env"] == {"env_vars": SERVE_FAST_PATH_ENV}
+    runtime_env = model_replica_options(config, 0, {"CPU": 2})["ray_actor_options"]["runtime_env"]
+    assert runtime_env["pip"] == ["x"]
+    assert runtime_env["env_vars"] == {
+        **SERVE_FAST_PATH_ENV,
+        "RAY_SERVE_USE_GRPC_BY_DEFAULT": "0",
+        "MINE": "1",
+    }

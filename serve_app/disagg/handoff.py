@@ -44,6 +44,12 @@ class Handoff:
     import_ms: float = 0.0
     reported: bool = False
 
+    def note_import(self, outputs: list) -> None:
+        """The engine's KV import time, from whichever of its outputs reports it."""
+        for output in outputs:
+            if output.kv_import_ms is not None:
+                self.import_ms = output.kv_import_ms
+
     def stamp(self, chunk: ReplicaChunk) -> None:
         if not self.reported:
             chunk.handoff_ms = self.fetch_ms + self.import_ms

@@ -1,8 +1,11 @@
 """The engine for serving: the step loop on a thread of its own, requests as async iterators.
 
 Adding and aborting requests from the event loop goes through an inbox that the loop thread
-drains before each step, so the engine itself stays single-threaded. Outputs are handed back
-to each request's asyncio queue with `call_soon_threadsafe`.
+drains before each step, so the engine itself stays single-threaded. A step's outputs go back
+to each event loop in one `call_soon_threadsafe` (one wake-up per step, not one per request),
+which puts each into its request's queue. `generate_batches` hands a consumer everything its
+request has queued at once: a consumer slower than the engine gets the tokens of several steps
+together, while one that keeps up gets every step's output as soon as it exists.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import EngineError, RequestRejected
@@ -36,6 +40,14 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Outputs as they come; the last one has `finished`. Leaving early aborts the request."""
+        async with aclosing(self.generate_batches(request)) as batches:
+            async for batch in batches:
+                for output in batch:
+                    yield output
+
+    async def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
+        """Like `generate`, but each item is every output queued for the request when the
+        consumer asks (at least one, in step order): never waits for more to arrive."""
         loop = asyncio.get_running_loop()
         if request.arrival_time is None:
             request.arrival_time = time.monotonic()
@@ -45,11 +57,21 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await outputs.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
+                batch = [await outputs.get()]
+                while not outputs.empty():
+                    batch.append(outputs.get_nowait())
+                for i, item in enumerate(batch):
+                    if isinstance(item, Exception):
+                        if i:  # what came before the failure first; the failure next time
+                            outputs.put_nowait(item)
+                            batch = batch[:i]
+                            break
+                        raise item
+                    finished = item.finished
+                    if finished:
+                        del batch[i + 1 :]
+                        break
+                yield batch
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:
@@ -76,10 +98,19 @@ class AsyncEngine:
         self._wake.set()
 
     def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, outputs = target
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Each (request id, output or exception) to its request's queue: one hand-over per
+        event loop for the lot."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                loop, outputs = target
+                by_loop.setdefault(loop, []).append((outputs, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -123,5 +154,9 @@ class AsyncEngine:
                     self.engine.abort(request_id)
                     self._deliver(request_id, EngineError(f"engine step failed: {exc!r}"))
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver_all([(output.request_id, output) for output in outputs])
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, item in puts:
+        outputs.put_nowait(item)

@@ -211,10 +211,8 @@ class Pipeline:
     async def collect(self, model: str, req: ReplicaRequest, stop_key: str | None = None):
         """Non-stream: every chunk folded into one (text, ids, logprobs and steps concatenated)."""
         merged = ReplicaChunk(request_id=req.request_id)
-        choices: dict[int, ChoiceDelta] = {}
         async for chunk in self.generate(model, req, stop_key):
-            merge_chunk(merged, choices, chunk)
-        merged.choices = [choices[i] for i in sorted(choices)]
+            merged.absorb(chunk)
         return merged
 
     def _observe(self, model, outcome, start, end, first_token_at, num_prompt, num_tokens) -> None:
@@ -229,18 +227,6 @@ class Pipeline:
             m.ttft.labels(model).observe(first_token_at - start)
             if num_tokens > 1:
                 m.tpot.labels(model).observe((end - first_token_at) / (num_tokens - 1))
-
-
-def merge_chunk(merged: ReplicaChunk, choices: dict[int, ChoiceDelta], chunk: ReplicaChunk):
-    """Fold a chunk into an accumulated one (used for non-stream responses and tests)."""
-    merged.steps.extend(chunk.steps)
-    merged.finished = chunk.finished
-    merged.num_prompt_tokens = chunk.num_prompt_tokens or merged.num_prompt_tokens
-    merged.stats = chunk.stats or merged.stats
-    merged.replica_id = chunk.replica_id or merged.replica_id
-    for delta in chunk.choices:
-        empty = ChoiceDelta(index=delta.index, token_ids=[], text="")
-        choices.setdefault(delta.index, empty).absorb(delta)
 
 
 def _stopped_chunk(req: ReplicaRequest) -> ReplicaChunk:

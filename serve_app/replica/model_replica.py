@@ -202,11 +202,13 @@ class ModelReplica:
         try:
             # aclosing: leaving the loop early (all choices hit a stop string) must abort the
             # engine request now, not whenever the engine's generator is garbage collected.
-            async with aclosing(self.engine.generate(request)) as outputs:
-                async for output in outputs:
-                    if handoff is not None and output.kv_import_ms is not None:
-                        handoff.import_ms = output.kv_import_ms
-                    chunk = processor.process(output)
+            # Outputs the engine made while this stream was still sending earlier ones go out
+            # as one chunk: never waits for tokens, only stops a slow consumer falling behind.
+            async with aclosing(self.engine.generate_batches(request)) as batches:
+                async for outputs in batches:
+                    if handoff is not None:
+                        handoff.note_import(outputs)
+                    chunk = processor.process_all(outputs)
                     if chunk is None:
                         continue
                     if handoff is not None:

@@ -6,6 +6,12 @@ worker which ones it got through an environment variable the device runtime hono
 worldSize` on CUDA (CUDA_VISIBLE_DEVICES), nothing on CPU. `device: auto` picks from what the
 cluster advertises when Ray is up, else from what this machine has. The user's
 `Deployments.<name>` options are merged over these defaults (resources dict merged key by key).
+
+Every deployment also runs with Ray Serve's streaming fast path (`SERVE_FAST_PATH_ENV`, in the
+replica's runtime_env; a user's own env_vars win key by key): user code on the replica's own
+event loop instead of a second thread, handle calls over gRPC, and the handle's router on the
+caller's loop. Each streamed chunk then costs fewer thread hops and no Ray task submission; on
+2 cores this raised the HTTP throughput at 32 streams by about a fifth (README, "Over HTTP").
 """
 
 from __future__ import annotations
@@ -41,19 +47,30 @@ def detect_accelerator(cluster_resources: dict | None = None) -> str:
         return "cpu"
 
 
+SERVE_FAST_PATH_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
+
 def _merge(defaults: dict[str, Any], user: DeploymentOptions) -> dict[str, Any]:
     options = dict(defaults)
+    actor = dict(options.get("ray_actor_options", {}))
+    actor["runtime_env"] = {"env_vars": dict(SERVE_FAST_PATH_ENV)}
     for key, value in user.serve_options().items():
         if key == "ray_actor_options":
-            actor = dict(options.get("ray_actor_options", {}))
             for k, v in value.items():
                 if k == "resources":
                     actor["resources"] = {**actor.get("resources", {}), **v}
+                elif k == "runtime_env":
+                    env = {**actor["runtime_env"]["env_vars"], **(v.get("env_vars") or {})}
+                    actor["runtime_env"] = {**v, "env_vars": env}
                 else:
                     actor[k] = v
-            options["ray_actor_options"] = actor
         else:
             options[key] = value
+    options["ray_actor_options"] = actor
     if options.get("autoscaling_config") or options.get("num_replicas") == "auto":
         # Ray Serve refuses a fixed replica count together with autoscaling
         if options.get("num_replicas") != "auto":

@@ -110,6 +110,22 @@ class OutputProcessor:
             self._finish_chunk(chunk)
         return chunk
 
+    def process_all(self, outputs: list[RequestOutput]) -> ReplicaChunk | None:
+        """One chunk for the outputs of consecutive engine steps (what a consumer that fell
+        behind gets at once), or None when there is nothing to send yet."""
+        merged = None
+        for output in outputs:
+            chunk = self.process(output)
+            if chunk is None:
+                continue
+            if merged is None:
+                merged = chunk
+            else:
+                merged.absorb(chunk)
+            if merged.finished:
+                break
+        return merged
+
     def process_first(self, output: RequestOutput, ends: bool) -> tuple[ReplicaChunk, bool]:
         """PD prefill: the chunk for the first token, and whether its text is held back.
 

@@ -151,11 +151,72 @@ def test_sse_chat_stream(sb):
     assert failed.error and "boom" in failed.error and not failed.done
 
 
-def test_peers_is_reserved(sb, capsys):
-    with pytest.raises(SystemExit) as exc:
-        sb.parse_args(["--peers", "vllm"])
-    assert exc.value.code == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_peers_flag(sb):
+    assert sb.parse_args([]).peers == []
+    assert sb.parse_args(["--peers"]).peers == ["vllm", "transformers"]
+    assert sb.parse_args(["--peers", "vllm"]).peers == ["vllm"]
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--peers", "tgi"])
+    with pytest.raises(SystemExit):  # a target may not take a peer's name
+        sb.parse_args(["--peers", "vllm", "--target", "vllm=http://127.0.0.1:1/v1"])
+
+
+# A stand-in peer: our own app (demo-tiny, no Ray) as a separate server process, started and
+# stopped by bench/peers.py exactly as vLLM or `transformers serve` would be.
+FAKE_PEER = """
+import sys, uvicorn
+from serve_app.config import load_config
+from serve_app.ingress.app import create_app
+from serve_app.ingress.backend import LocalBackend
+from serve_app.replica.model_replica import ModelReplica
+from serve_app.tokenizer.pool import TokenizerPool
+config = load_config({config!r})
+backend = LocalBackend(TokenizerPool(config), {{"demo": ModelReplica(config)}})
+uvicorn.run(create_app(config, backend), host="127.0.0.1", port=int(sys.argv[1]),
+            log_level="warning")
+"""
+
+
+def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_start(
+    sb, base_url, tmp_path, monkeypatch
+):
+    peers = sys.modules["peers"]
+    started = []
+
+    def command(self):
+        if self.name == "transformers":  # a peer that cannot start: skipped, with the reason
+            return [sys.executable, "-c", "print('no such backend'); raise SystemExit(3)"], None
+        script = FAKE_PEER.format(config=CONFIG)
+        return [sys.executable, "-c", script, str(self.port)], None
+
+    def start(self):
+        model = original_start(self)
+        started.append(self.process)
+        return model
+
+    original_start = peers.Peer.start
+    monkeypatch.setattr(peers.Peer, "command", command)
+    monkeypatch.setattr(peers.Peer, "start", start)
+    out = tmp_path / "peers.json"
+    argv = [
+        f"--target=ours={base_url}", "--peers", "--peer-model-dir", str(tmp_path),
+        "--concurrency=2", "--num-requests=2", "--prompt-len=4", "--output-len=4",
+        "--ignore-eos", "--warmup=0", "--timeout=60", "--no-progress", "--no-plot",
+        f"--out={out}",
+    ]  # fmt: skip
+    args = sb.parse_args(argv)
+    sb.bench(args)
+    report = json.loads(out.read_text())
+    assert report["peers"] == ["vllm", "transformers"]
+    vllm = report["results"]["vllm"]
+    assert vllm["levels"][0]["completed"] == 2 and vllm["levels"][0]["errors"] == 0
+    assert vllm["model"] == "demo" and vllm["peer"]["weights"] == str(tmp_path)
+    skipped = report["results"]["transformers"]
+    assert skipped["levels"] == [] and skipped["skipped"] == [2]
+    assert "exited with 3" in skipped["error"] and "no such backend" in skipped["error"]
+    assert started and all(process.poll() is not None for process in started)  # stopped
+    (line,) = sb.ratio_lines(report["results"], args)
+    assert line.startswith("ours / vllm output tok/s  2: ")
 
 
 def test_workload_file_and_flags(sb, tmp_path):

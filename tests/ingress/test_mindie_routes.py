@@ -158,13 +158,13 @@ def test_seeded_requests_reproduce_and_stream_matches(client):
 def test_priority_and_timeout_reach_the_engine(client, monkeypatch):
     engine = client.app.state.replica.engine
     seen = []
-    original = engine.generate
+    original = engine.generate_batches
 
     def spy(request):
         seen.append(request)
         return original(request)
 
-    monkeypatch.setattr(engine, "generate", spy)
+    monkeypatch.setattr(engine, "generate_batches", spy)
     before = time.monotonic()
     body = {"input_id": [1, 2, 3], "parameters": {"priority": 2, "timeout": 30, "do_sample": False}}
     assert client.post("/infer_token", json=body).status_code == 200

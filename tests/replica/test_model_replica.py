@@ -327,3 +327,30 @@ def test_engine_non_streaming_requests_report_one_step_per_token(replica, prompt
             assert len(lps) == len(joined(chunks, i, "token_ids"))
             assert all(len(lp.top) == 2 and lp.top[0][2] >= lp.top[1][2] for lp in lps)
     wait_idle(replica)
+
+
+def test_a_consumer_behind_the_engine_gets_coalesced_chunks_with_nothing_lost(
+    replica, prompt, reference
+):
+    """Chunks the engine produced while the consumer was busy go out as one chunk: the same
+    token ids, texts, token texts and step timings as one chunk per token, fewer messages."""
+    req = request(prompt, greedy(), token_texts=True)
+
+    async def slow():
+        chunks = []
+        async for chunk in replica.generate(req):
+            chunks.append(chunk)
+            await asyncio.sleep(0.1)
+        return chunks
+
+    chunks = asyncio.run(slow())
+    assert len(chunks) < 32 and any(len(ch.choices[0].token_ids) > 1 for ch in chunks)
+    assert len(chunks[0].choices[0].token_ids) == 1  # the first token goes out at once
+    assert joined(chunks, attr="token_ids") == reference.token_ids
+    assert joined(chunks) == reference.text
+    assert joined(chunks, attr="token_texts") == reference.token_texts
+    assert sum(len(ch.steps) for ch in chunks) == 32
+    assert [ch.finished for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert last_delta(chunks).finish_reason == "length"
+    assert last_delta(chunks).num_output_tokens == 32
+    wait_idle(replica)
