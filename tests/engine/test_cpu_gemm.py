@@ -1,0 +1,55 @@
+"""Prepacked CPU linears: the same results as nn.Linear, any leading dims, swapped in place."""
+
+import pytest
+import torch
+from torch import nn
+
+from serve_app.engine import cpu_gemm
+
+pytestmark = pytest.mark.skipif(
+    not cpu_gemm.supported(torch.device("cpu"), torch.float32), reason="torch without oneDNN"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (1, 33, 64), (300, 64)])
+def test_packed_linear_matches_nn_linear(dtype, shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True).to(dtype)
+    packed = cpu_gemm.PackedLinear(linear.weight, linear.bias)
+    x = torch.randn(*shape, dtype=dtype)
+    with torch.inference_mode():
+        expect, got = linear(x), packed(x)
+    assert got.shape == expect.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_the_output():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 48), nn.SiLU(), nn.Sequential(nn.Linear(48, 16, bias=False))
+    )
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        expect = model(x)
+        assert cpu_gemm.pack_linears(model) == 2
+        got = model(x)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_only_cpu_float32_and_bfloat16_are_packed():
+    cpu = torch.device("cpu")
+    assert not cpu_gemm.supported(cpu, torch.float16)
+    assert not cpu_gemm.supported(torch.device("meta"), torch.float32)
+
+
+def test_the_engine_packs_its_linears_on_cpu():
+    from serve_app.engine.config import EngineConfig
+    from serve_app.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model="demo-tiny", dtype="float32", num_kv_blocks=4))
+    layers = runner.hf_config.num_hidden_layers
+    assert runner.packed_linears == 7 * layers + 1  # q k v o gate up down per layer, LM head
+    assert isinstance(runner.lm_head, cpu_gemm.PackedLinear)
