@@ -404,13 +404,11 @@ def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
         "warmup_tokens": WARMUP_TOKENS,
     }
     (work / "job.json").write_text(json.dumps(job))
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": space}
     try:
         python = vllm_python(log_path)
         bench.log(f"vLLM-CPU: LLM.generate in {python.parent.parent} (log: {log_path}) ...")
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-        }
         with log_path.open("a") as out:
             code = subprocess.call(
                 [str(python), str(HERE / "vllm_offline.py"), str(work / "job.json"),
@@ -426,7 +424,6 @@ def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
         return
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    space = env["VLLM_CPU_KVCACHE_SPACE"]
     note = f"vllm {result['vllm']}, dtype={bench.dtype}, VLLM_CPU_KVCACHE_SPACE={space}"
     bench.record("vllm", "vLLM-CPU", result["seconds"], result["tokens"], note)
 
