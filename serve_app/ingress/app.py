@@ -15,6 +15,7 @@ from serve_app.config import AppConfig
 from serve_app.ingress import admin_routes, mindie_routes, openai_routes, triton_routes
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.pipeline import Pipeline
+from serve_app.ingress.request_body import RequestBody
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
 
@@ -31,21 +32,8 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
         version="0.1.0",
     )
     app.state.pipeline = Pipeline(config, backend)
-    max_body = config.ServerConfig.maxRequestLength * 1024 * 1024
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body:
-            error = APIError(
-                ErrorKind.TOO_LARGE,
-                f"the request body has {int(length)} bytes; at most "
-                f"{config.ServerConfig.maxRequestLength} MB (ServerConfig.maxRequestLength)",
-            )
-            return _render(request, error)
-        if request.method == "POST":
-            _read_body_as_json(request)
-        return await call_next(request)
+    max_mb = config.ServerConfig.maxRequestLength
+    app.add_middleware(RequestBody, max_bytes=max_mb * 1024 * 1024, max_mb=max_mb)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -71,16 +59,6 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     return app
-
-
-def _read_body_as_json(request: Request) -> None:
-    """Every POST body is JSON here. `curl -d` sends form encoding and MindIE clients often
-    send no content type at all; both would otherwise be refused as "not a JSON object"."""
-    headers = request.scope["headers"]
-    kind = request.headers.get("content-type", "")
-    if "json" not in kind.lower():
-        headers[:] = [(k, v) for k, v in headers if k != b"content-type"]
-        headers.append((b"content-type", b"application/json"))
 
 
 def _render(request: Request, error: APIError) -> JSONResponse:
