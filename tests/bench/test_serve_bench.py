@@ -177,15 +177,14 @@ uvicorn.run(create_app(config, backend), host="127.0.0.1", port=int(sys.argv[1])
 """
 
 
-def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_start(
+def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_the_workload(
     sb, base_url, tmp_path, monkeypatch
 ):
     peers = sys.modules["peers"]
     started = []
 
     def command(self):
-        if self.name == "transformers":  # a peer that cannot start: skipped, with the reason
-            return [sys.executable, "-c", "print('no such backend'); raise SystemExit(3)"], None
+        assert self.name == "vllm", "transformers refuses ignore_eos: never started"
         script = FAKE_PEER.format(config=CONFIG)
         return [sys.executable, "-c", script, str(self.port)], None
 
@@ -213,10 +212,20 @@ def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_start(
     assert vllm["model"] == "demo" and vllm["peer"]["weights"] == str(tmp_path)
     skipped = report["results"]["transformers"]
     assert skipped["levels"] == [] and skipped["skipped"] == [2]
-    assert "exited with 3" in skipped["error"] and "no such backend" in skipped["error"]
+    assert "takes no ignore_eos" in skipped["error"]
     assert started and all(process.poll() is not None for process in started)  # stopped
     (line,) = sb.ratio_lines(report["results"], args)
     assert line.startswith("ours / vllm output tok/s  2: ")
+
+
+def test_a_peer_that_cannot_start_is_unavailable_with_its_log(sb, tmp_path, monkeypatch):
+    peers = sys.modules["peers"]
+    failing = [sys.executable, "-c", "print('no such backend'); raise SystemExit(3)"]
+    monkeypatch.setattr(peers.Peer, "command", lambda self: (failing, None))
+    peer = peers.Peer("transformers", tmp_path, "demo", "bfloat16", tmp_path / "peer.log")
+    with pytest.raises(peers.PeerUnavailable, match="exited with 3.*no such backend"):
+        peer.start()
+    assert peer.process.poll() == 3
 
 
 def test_workload_file_and_flags(sb, tmp_path):
