@@ -15,7 +15,7 @@ from serve_app.config import AppConfig
 from serve_app.ingress import admin_routes, mindie_routes, openai_routes, triton_routes
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.pipeline import Pipeline
-from serve_app.ingress.request_body import RequestBody
+from serve_app.ingress.request_body import RequestBody, error_response
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
 
@@ -62,5 +62,4 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
 
 
 def _render(request: Request, error: APIError) -> JSONResponse:
-    family = family_for_path(request.url.path)
-    return JSONResponse(error.body(family), status_code=error.status(family))
+    return error_response(error, request.url.path)

@@ -66,9 +66,13 @@ class RequestBody:
             f"the request body has {size}; at most {self.max_mb} MB "
             f"(ServerConfig.maxRequestLength)",
         )
-        family = family_for_path(scope["path"])
-        response = JSONResponse(error.body(family), status_code=error.status(family))
-        await response(scope, _no_body, send)
+        await error_response(error, scope["path"])(scope, _no_body, send)
+
+
+def error_response(error: APIError, path: str) -> JSONResponse:
+    """The error in the envelope and status of the API family that `path` belongs to."""
+    family = family_for_path(path)
+    return JSONResponse(error.body(family), status_code=error.status(family))
 
 
 def _content_length(scope: Scope) -> int | None:
