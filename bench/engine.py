@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -713,13 +715,31 @@ def workload_record(args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def set_up_process(args) -> None:
     torch.manual_seed(args.seed)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # per-call chatter
     transformers.logging.set_verbosity_error()
+
+
+def bench_dtype_in_child(args, *rest) -> dict:
+    set_up_process(args)
+    return bench_dtype(args, *rest)
+
+
+def bench_dtype_apart(args, *rest) -> dict:
+    """`bench_dtype` in a fresh interpreter: a process that has already run the other dtype's
+    systems measured our bfloat16 engine ~25 % slower (664 vs 862 tokens/s in one session),
+    while vLLM always runs in a process of its own, so each dtype gets a clean process."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(bench_dtype_in_child, args, *rest).result()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_up_process(args)
     gpu = {"gpu": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {}
     run = Run.begin(
         machine_info(
@@ -738,8 +758,9 @@ def main(argv: list[str] | None = None) -> int:
     warm_prompts = seeded_prompts(args.requests, args.prompt_len, args.seed + WARMUP_SEED_OFFSET)
 
     results = {}
+    run_dtype = bench_dtype_apart if len(args.dtype) > 1 else bench_dtype
     for dtype in args.dtype:
-        results[dtype] = bench_dtype(args, dtype, prompt_sets, warm_prompts, model_path)
+        results[dtype] = run_dtype(args, dtype, prompt_sets, warm_prompts, model_path)
         print_report(dtype, results[dtype])
 
     run.write(args.out, workload=workload_record(args), results=results)
