@@ -4,11 +4,18 @@ Equivalent to `serve run deployments.yaml`, plus what a first-time user wants to
 is checked before Ray starts (a bad key fails at once, naming it), model build and load progress
 is printed as it happens, and the URL with a first request to try is printed when every model
 replica is ready. Ctrl-C stops the app and the local Ray instance it started.
+
+By default the ingress replica serves HTTP itself on the config's http_options port (Ray Serve's
+direct ingress: no proxy actor between the client and the app, one process hop less per streamed
+chunk; Ray's proxy is moved to a free port); `--proxy` keeps Ray Serve's HTTP proxy in front on
+that port, as `serve run` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +28,12 @@ from serve_app.config import ConfigError, load_config
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="deployments.yaml", help="Serve config file")
+    parser.add_argument(
+        "--proxy",
+        action="store_true",
+        help="serve HTTP through Ray Serve's proxy actor (as `serve run` does) instead of "
+        "from the ingress replica itself",
+    )
     args = parser.parse_args()
     spec = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
     apps = spec.get("applications") or []
@@ -37,8 +50,23 @@ def main() -> None:
     from serve_app.app import build_app
 
     http = {"host": "127.0.0.1", "port": 8000, **(spec.get("http_options") or {})}
+    proxy_http = http
+    if not args.proxy and not _bindable(http["host"], http["port"]):
+        # Ray binds the ingress's own server without SO_REUSEADDR, which fails while the port
+        # still has connections in TIME_WAIT (a server stopped less than a minute ago)
+        print(
+            f"serve_app: port {http['port']} is not free for the ingress replica yet "
+            "(connections of an earlier server linger for up to a minute): serving through "
+            "Ray Serve's proxy instead",
+            flush=True,
+        )
+        args.proxy = True
+    if not args.proxy:
+        _direct_ingress(http["port"], sum(_ingress_replicas(c) for c in configs))
+        # Ray Serve still starts its proxy; it moves to a free port out of the way
+        proxy_http = {**http, "port": _free_port(http["host"])}
     ray.init(include_dashboard=False, logging_level="WARNING")
-    serve.start(proxy_location=spec.get("proxy_location", "HeadOnly"), http_options=http)
+    serve.start(proxy_location=spec.get("proxy_location", "HeadOnly"), http_options=proxy_http)
     print("serve_app: starting (the first start builds the demo model, about a minute) ...")
     for app in apps:
         serve.run(
@@ -64,6 +92,35 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _ingress_replicas(config) -> int:
+    replicas = config.Deployments.Ingress.num_replicas
+    return replicas if isinstance(replicas, int) else 8  # autoscaling: room to grow
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a socket without SO_REUSEADDR can bind (host, port) now, as Ray's will."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _direct_ingress(port: int, num_ingress: int) -> None:
+    """Ray Serve's direct ingress for the Ray instance about to start here (it reads these
+    from the environment): each ingress replica listens on a port from `port` on."""
+    os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port))
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(port + num_ingress))
 
 
 if __name__ == "__main__":

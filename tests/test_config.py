@@ -211,6 +211,8 @@ def test_ranges(key, low, high, others):
         (f"{DEPLOY}.ModelConfig.device", "tpu"),
         (f"{DEPLOY}.ModelConfig.npuMemSize", 0),
         (f"{DEPLOY}.ModelConfig.npuMemSize", -2),
+        (f"{DEPLOY}.ModelConfig.engineCpus", "one"),
+        (f"{DEPLOY}.ModelConfig.engineCpus", "3-1"),
         ("BackendConfig.npuDeviceIds", [[-1]]),
     ],
 )
@@ -234,6 +236,24 @@ def test_bad_item_is_not_reported_as_too_short():
     message = error_of(config(**{f"{DEPLOY}.ModelConfig.worldSize": 0}))
     assert "at least 1 item" not in message
     assert len(message.splitlines()) == 2
+
+
+def test_engine_cpus_need_the_engine_process():
+    message = error_of(config(**{f"{DEPLOY}.ModelConfig.engineCpus": "1"}))
+    assert f"{DEPLOY}.ModelConfig[0]" in message and "needs engineProcess: true" in message
+
+
+def test_serving_cores_avoid_every_bound_engine():
+    import os
+
+    here = os.sched_getaffinity(0)
+    models = [
+        {"modelName": "a", "engineProcess": True, "engineCpus": str(min(here))},
+        {"modelName": "b", "engineProcess": True},
+    ]
+    cfg = load_config({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": models}}})
+    assert cfg.serving_cores() == (here - {min(here)} or None)
+    assert load_config().serving_cores() is None
 
 
 @pytest.mark.parametrize("value", [0.5, 24, -1])
@@ -338,6 +358,8 @@ def test_engine_config_maps_every_field():
             "dtype": "bfloat16",
             "device": "cpu",
             "npuMemSize": 3,
+            "engineProcess": True,
+            "engineCpus": "2-3,0",
         },
     ]
     cfg = load_config(
@@ -382,7 +404,10 @@ def test_engine_config_maps_every_field():
         enable_prefix_caching=False,
         token_timeout_s=7.0,
         e2e_timeout_s=70.0,
+        engine_process=True,
+        engine_cpus=(0, 2, 3),
     )
+    assert cfg.BackendConfig.ModelDeployConfig.ModelConfig[1].engineCpus == "0,2,3"
     assert cfg.engine_config().model_name == "first"
     assert load_config().engine_config() == EngineConfig()
     with pytest.raises(IndexError):

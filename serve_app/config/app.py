@@ -11,6 +11,7 @@ from serve_app.config.backend import BackendConfig, mindie_values
 from serve_app.config.deployments import Deployments
 from serve_app.config.server import ServerConfig
 from serve_app.engine.config import MINDIE_ALIASES, EngineConfig
+from serve_app.engine.cpus import parse_cpus, serving_cores
 from serve_app.tokenizer.limits import TokenLimits
 
 _ServerConfig, _BackendConfig, _Deployments = ServerConfig, BackendConfig, Deployments
@@ -54,7 +55,20 @@ class AppConfig(BaseModel):
         fields = {MINDIE_ALIASES[key]: v for key, v in values.items() if key in MINDIE_ALIASES}
         for name in ("kv_cache_mem_gb", "token_timeout_s", "e2e_timeout_s"):
             fields[name] = float(fields[name])
-        return EngineConfig(**fields, dtype=model.dtype, device=model.device)
+        return EngineConfig(
+            **fields,
+            dtype=model.dtype,
+            device=model.device,
+            engine_process=model.engineProcess,
+            engine_cpus=parse_cpus(model.engineCpus),
+        )
+
+    def serving_cores(self) -> set[int] | None:
+        """The cores the ingress and the tokenizer pool keep to on this node: those no
+        model's engine process is bound to (None: no binding, or nothing left)."""
+        bound = {c for m in self.BackendConfig.ModelDeployConfig.ModelConfig
+                 for c in parse_cpus(m.engineCpus)}  # fmt: skip
+        return serving_cores(bound)
 
     def token_limits(
         self, max_position_embeddings: int | None = None, vocab_size: int | None = None

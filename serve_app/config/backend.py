@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from serve_app.engine import config as engine_config
 from serve_app.engine.config import DEVICES, DTYPES, EngineConfig
+from serve_app.engine.cpus import format_cpus, parse_cpus
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 _ENGINE = EngineConfig()  # the engine's defaults are the config's defaults
@@ -72,6 +73,34 @@ class ModelConfig(BaseModel):
             "(transformers trust_remote_code)."
         ),
     )
+
+    engineProcess: bool = Field(
+        _ENGINE.engine_process,
+        description=(
+            "(extension) Run the engine's step loop in a process of its own, so that it never "
+            "waits on the replica's per-token work (detokenizing, streaming) for Python's "
+            "interpreter lock."
+        ),
+    )
+    engineCpus: str = Field(
+        "",
+        description=(
+            "(extension) Cores the engine process is bound to, e.g. '1', '0-3' or '0,2,4-5' "
+            "(needs engineProcess: true); its torch threads are these cores, and the ingress "
+            "and tokenizer pool keep to the other cores of the node. Empty = no binding."
+        ),
+    )
+
+    @field_validator("engineCpus")
+    @classmethod
+    def _cpus(cls, value: str) -> str:
+        return format_cpus(parse_cpus(value))  # ValueError names the bad part
+
+    @model_validator(mode="after")
+    def _cpus_need_process(self) -> ModelConfig:
+        if self.engineCpus and not self.engineProcess:
+            raise ValueError("engineCpus needs engineProcess: true (it binds the engine process)")
+        return self
 
     @field_validator("modelName")
     @classmethod

@@ -1,11 +1,14 @@
-"""The engine for serving: the step loop on a thread of its own, requests as async iterators.
+"""The engine for serving: the step loop on a thread or in a process of its own, requests as
+async iterators.
 
-Adding and aborting requests from the event loop goes through an inbox that the loop thread
-drains before each step, so the engine itself stays single-threaded. A step's outputs go back
-to each event loop in one `call_soon_threadsafe` (one wake-up per step, not one per request),
-which puts each into its request's queue. `generate_batches` hands a consumer everything its
-request has queued at once: a consumer slower than the engine gets the tokens of several steps
-together, while one that keeps up gets every step's output as soon as it exists.
+Adding and aborting requests from the event loop goes through an inbox that the step loop
+drains before each step, so the engine itself stays single-threaded. With `engine_process` the
+loop runs in a child process (`engine_process.py`) and the inbox is a pipe; otherwise on a
+thread here. A step's outputs go back to each event loop in one `call_soon_threadsafe` (one
+wake-up per step, not one per request), which puts each into its request's queue.
+`generate_batches` hands a consumer everything its request has queued at once: a consumer slower
+than the engine gets the tokens of several steps together, while one that keeps up gets every
+step's output as soon as it exists.
 """
 
 from __future__ import annotations
@@ -17,26 +20,48 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import torch
+
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.engine_process import EngineInfo, EngineProcess
+from serve_app.engine.errors import EngineError
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
+from serve_app.engine.step_loop import run_steps
+
+_IDLE_WAIT_S = 0.5
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config or EngineConfig())
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        """config.engine_process: the step loop in a child process; otherwise (or when an
+        `engine` is given) on a thread of this process, and `self.engine` is that engine."""
+        config = engine.config if engine is not None else (config or EngineConfig())
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.engine: LLMEngine | None = None  # the in-process engine (thread mode)
+        self._process: EngineProcess | None = None
+        if engine is None and config.engine_process:
+            # the child's torch threads: its bound cores, else what this process was given
+            self._process = EngineProcess(
+                config, self._deliver_all, self._fail_all, torch.get_num_threads()
+            )
+            self.info: EngineInfo = self._process.info
+            from serve_app.models.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.info.model_path)
+            return
+        self.engine = engine or LLMEngine(config)
+        self.info = EngineInfo.of(self.engine)
+        self._tokenizer = self.engine.tokenizer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._tokenizer
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Outputs as they come; the last one has `finished`. Leaving early aborts the request."""
@@ -82,23 +107,34 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """The step loop's thread is alive (a health check replaces a replica whose is not)."""
+        """The step loop is alive (a health check replaces a replica whose is not)."""
+        if self._process is not None:
+            return self._process.is_running
         return self._thread.is_alive()
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._wake.set()
+        if self._process is not None:
+            self._process.shutdown()
+            return
+        self._send(("stop", None))
         self._thread.join(timeout=10)
 
     def stats(self) -> dict:
+        """The engine's counters: as of its last step when it runs in a process."""
+        if self._process is not None:
+            return dict(self._process.stats)
         return self.engine.stats()
 
     def _send(self, message) -> None:
+        if self._process is not None:
+            if message[0] == "add" and not self._process.is_running:
+                error = EngineError("the engine process is not running")
+                self._deliver_all([(message[1].request_id, error)])
+                return
+            self._process.send(message)
+            return
         self._inbox.put(message)
         self._wake.set()
-
-    def _deliver(self, request_id: str, item) -> None:
-        self._deliver_all([(request_id, item)])
 
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """Each (request id, output or exception) to its request's queue: one hand-over per
@@ -112,49 +148,24 @@ class AsyncEngine:
         for loop, puts in by_loop.items():
             loop.call_soon_threadsafe(_put_all, puts)
 
-    def _drain_inbox(self) -> None:
+    def _fail_all(self, message: str) -> None:
+        """The engine process died: every open stream ends with that failure."""
+        failures = [(request_id, EngineError(message)) for request_id in list(self._streams)]
+        self._deliver_all(failures)
+
+    def _receive(self, idle: bool) -> list:
+        if idle:
+            self._wake.wait(timeout=_IDLE_WAIT_S)
+            self._wake.clear()
+        messages = []
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                messages.append(self._inbox.get_nowait())
             except queue.Empty:
-                return
-            if kind == "add":
-                self._add(payload)
-            else:
-                output = self.engine.abort(payload)
-                if output is not None:
-                    self._deliver(payload, output)
-
-    def _add(self, request: EngineRequest) -> None:
-        try:
-            self.engine.add_request(request)
-        except RequestRejected as exc:
-            self._deliver(request.request_id, exc)
-            return
-        except Exception as exc:  # e.g. a malformed handed-over generator state: this request
-            # fails, the loop (and every other request) goes on
-            self._deliver(request.request_id, EngineError(f"the engine could not add it: {exc!r}"))
-            return
-        if request.imported is not None:
-            # The engine keeps the KV payload only until it is written into the pool; the
-            # request object lives as long as its stream and must not hold the host copy.
-            request.imported.kv = None
+                return messages
 
     def _run(self) -> None:
-        while not self._stopped:
-            self._drain_inbox()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a failed step fails its requests, not the server
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
-                    self._deliver(request_id, EngineError(f"engine step failed: {exc!r}"))
-                continue
-            self._deliver_all([(output.request_id, output) for output in outputs])
+        run_steps(self.engine, self._receive, self._deliver_all)
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:

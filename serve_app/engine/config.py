@@ -61,9 +61,15 @@ class EngineConfig:
     token_timeout_s: float = 600.0  # longest gap between two tokens of one request
     e2e_timeout_s: float = 600.0  # longest life of one request
     seed: int = 0  # seed of the shared generator for requests without their own seed
+    # AsyncEngine: the step loop in a child process of its own (engine_process.py), bound to
+    # these cores when given (its torch threads = their count)
+    engine_process: bool = False
+    engine_cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         found = problems(self.by_mindie_name())
+        if self.engine_cpus and not self.engine_process:
+            found.append("engineCpus needs engineProcess: true (it binds the engine process)")
         if found:
             raise ValueError(found[0])  # the first broken rule, naming its keys
 

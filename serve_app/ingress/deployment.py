@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app.config import AppConfig
+from serve_app.engine.cpus import bind_process
 from serve_app.ingress.app import create_app
 from serve_app.ingress.backend import RayBackend
 
@@ -24,6 +25,9 @@ class Ingress:
         """replicas: role ("colocated", or "prefill" and "decode") -> model name -> handle."""
         from ray import serve
 
+        cores = config.serving_cores()  # off the cores an engine process is bound to
+        if cores:
+            bind_process(cores)
         self.config = config
         self.backend = RayBackend(
             tokenizer_pool,

@@ -18,12 +18,11 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-import torch
-
 from serve_app.config import AppConfig, accelerator_env
 from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.disagg.handoff import KV_LOSS_POLICIES, Handoff, HandoffFailed, fetch_kv
 from serve_app.engine.async_engine import AsyncEngine
+from serve_app.engine.cpus import format_cpus
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
@@ -82,11 +81,13 @@ class ModelReplica:
         start = time.monotonic()
         self.engine = AsyncEngine(engine_config)
         self.tokenizer = self.engine.tokenizer
-        runner = self.engine.engine.runner
+        info = self.engine.info
+        where = "its own process" if engine_config.engine_process else "a thread"
+        cores = f" on cores {format_cpus(info.cpus)}" if info.cpus else ""
         print(
-            f"model replica {self.replica_id}: {self.model_name!r} ready on {runner.device} "
-            f"({runner.dtype}, {runner.num_blocks} KV blocks, {torch.get_num_threads()} torch "
-            f"threads) in {time.monotonic() - start:.1f} s",
+            f"model replica {self.replica_id}: {self.model_name!r} ready on {info.device} "
+            f"({info.dtype}, {info.num_blocks} KV blocks, {info.num_threads} torch threads, "
+            f"step loop in {where}{cores}) in {time.monotonic() - start:.1f} s",
             flush=True,
         )
 
@@ -139,7 +140,7 @@ class ModelReplica:
         ends = (
             output.kv_payload is None  # EOS / stop token / abort / timeout: nothing to continue
             or self.limits.pd_total_tokens(req.params.max_tokens) <= 1
-            or prompt_len + 1 >= self.engine.engine.max_model_len
+            or prompt_len + 1 >= self.engine.info.max_model_len
         )
         chunk, held = processor.process_first(output, ends)
         if chunk.finished:
@@ -255,7 +256,7 @@ class ModelReplica:
         return {
             "replica_id": self.replica_id,
             "model": self.model_name,
-            "device": str(self.engine.engine.runner.device),
+            "device": self.engine.info.device,
             "node_id": _ray_node_id(),
             **accelerator_env(),
         }

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.config import AppConfig
+from serve_app.engine.cpus import bind_process
 from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest, text_of
 from serve_app.models.loader import load_tokenizer, resolve_model_path
 from serve_app.tokenizer.limits import TokenLimitError, TokenLimits
@@ -32,9 +33,14 @@ class _Model:
 
 
 class TokenizerPool:
-    def __init__(self, config: AppConfig | None = None) -> None:
-        """config: the app's config, validated once by the builder (defaults when None)."""
+    def __init__(self, config: AppConfig | None = None, off_engine_cores: bool = False) -> None:
+        """config: the app's config, validated once by the builder (defaults when None).
+        off_engine_cores: bind this process to the cores no engine process is bound to
+        (ModelConfig engineCpus); the app builder asks for it, in-process users do not."""
         config = config or AppConfig()
+        cores = config.serving_cores() if off_engine_cores else None
+        if cores:
+            bind_process(cores)
         self._models: dict[str, _Model] = {}
         for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
             path = resolve_model_path(model.modelWeightPath)

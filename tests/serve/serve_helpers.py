@@ -14,7 +14,10 @@ SERVE_TEST_ARGS = {
         "ModelDeployConfig": {
             "maxSeqLen": 512,
             "maxInputTokenLen": 256,
-            "ModelConfig": [{"modelName": "demo", "modelWeightPath": "demo-tiny"}],
+            # the engine's step loop in a process of its own, as deployments.yaml has it
+            "ModelConfig": [
+                {"modelName": "demo", "modelWeightPath": "demo-tiny", "engineProcess": True}
+            ],
         },
         "ScheduleConfig": {
             "maxIterTimes": 64,

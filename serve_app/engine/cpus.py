@@ -1,0 +1,77 @@
+"""CPU core lists ("0-3,6") and binding a whole process to a set of cores.
+
+An engine process bound to its own cores (ModelConfig `engineCpus`) steps without the serving
+path's threads taking turns on them; the ingress and the tokenizer pool then bind to the cores
+left over (`serving_cores`). Linux only; elsewhere binding is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """'1' / '0-3' / '0,2,4-5' -> sorted core ids; '' -> (). ValueError names the bad part."""
+    cores: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        first, sep, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last) if sep else int(first)
+        except ValueError:
+            raise ValueError(
+                f"{part!r} is not a core id or range: write e.g. '1', '0-3' or '0,2,4-5'"
+            ) from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"{part!r} is not a range of core ids (0 <= first <= last)")
+        cores.update(range(lo, hi + 1))
+    return tuple(sorted(cores))
+
+
+def format_cpus(cores: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
+
+
+def available_cores() -> set[int]:
+    """The cores this process runs on now."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def bind_process(cores: Iterable[int]) -> None:
+    """Every thread of this process (and the threads it starts later) on `cores` only.
+
+    ValueError when a core does not exist or may not be used here, naming those that may."""
+    cores = set(cores)
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return
+    missing = {c for c in cores if c >= (os.cpu_count() or 1)}
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads if not missing else ():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+        except OSError:  # outside the cores this container or cgroup allows
+            missing = cores
+            break
+    if missing:
+        raise ValueError(
+            f"cores {format_cpus(missing)} are not available here (this process may use "
+            f"{format_cpus(available_cores())})"
+        )
+
+
+def serving_cores(engine_cores: Iterable[int]) -> set[int] | None:
+    """The cores the serving path (ingress, tokenizer pool) should keep to when engines are
+    bound to `engine_cores` on this node: the rest, or None when there is nothing to leave
+    (no engine binding, or it covers every core)."""
+    engine = set(engine_cores)
+    rest = available_cores() - engine
+    return rest if engine and rest else None

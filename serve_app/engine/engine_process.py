@@ -1,0 +1,185 @@
+"""The engine's step loop in a child process of its own (ModelConfig `engineProcess`).
+
+On a thread, the step loop shares its process's interpreter lock with everything else the
+replica does per token (detokenizing, stop strings, streaming chunks out), and waits for it
+between the kernels of every step. In a child process it shares nothing: the parent sends
+requests and aborts down a pipe, and gets back one message per step (every request's outputs
+plus the engine's stats), read by a thread that hands them to the waiting streams. Optionally the
+child binds itself to cores of its own (`engineCpus`), and its torch threads are those cores.
+
+Messages are pickled by value (KV payloads of PD hand-offs included), so no shared memory
+outlives either side. The child exits when the parent says stop or goes away (the pipe closes).
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from serve_app.engine.config import EngineConfig
+from serve_app.engine.step_loop import Items, run_steps
+
+_IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine's owner shows and checks about it, wherever it runs."""
+
+    device: str
+    dtype: str
+    num_blocks: int
+    max_model_len: int
+    num_threads: int
+    model_path: str
+    cpus: tuple[int, ...] = ()  # bound to these cores; () = not bound
+
+    @classmethod
+    def of(cls, engine, cpus: tuple[int, ...] = ()) -> EngineInfo:
+        import torch
+
+        runner = engine.runner
+        return cls(
+            str(runner.device),
+            str(runner.dtype),
+            runner.num_blocks,
+            engine.max_model_len,
+            torch.get_num_threads(),
+            str(runner.model_path),
+            cpus,
+        )
+
+
+class EngineProcess:
+    """The parent's side: starts the child, waits for the model to load, then relays.
+
+    deliver(items) gets each step's outputs (on the reader thread); on_exit(message) is called
+    once if the child dies while this side still wants it.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        deliver: Callable[[Items], None],
+        on_exit: Callable[[str], None],
+        num_threads: int,
+    ) -> None:
+        self._deliver = deliver
+        self._on_exit = on_exit
+        self._lock = threading.Lock()
+        self._closing = False
+        self._exited = False
+        # A fresh interpreter running this module (not multiprocessing's spawn, which would
+        # re-import the caller's __main__), talking over a socket pair.
+        ours, theirs = socket.socketpair()
+        self._conn = Connection(ours.detach())
+        fd = theirs.fileno()
+        start = f"from {__name__} import _child_main; _child_main({fd})"
+        self._process = subprocess.Popen([sys.executable, "-c", start], pass_fds=(fd,))
+        theirs.close()
+        self.send((config, num_threads))
+        try:
+            kind, payload = self._recv()
+        except (EOFError, OSError):
+            raise RuntimeError(
+                f"the engine process exited while loading (exit code {self._wait(5)})"
+            ) from None
+        if kind != "ready":
+            self._wait(5)
+            raise RuntimeError(f"the engine process failed to start:\n{payload}")
+        self.info: EngineInfo = payload["info"]
+        self.stats: dict = payload["stats"]
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._exited and self._process.poll() is None
+
+    def send(self, message: tuple[str, object]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:  # the event loop and shutdown may both send
+            try:
+                self._conn.send_bytes(data)
+            except (BrokenPipeError, OSError):  # the child is gone: the reader reports it
+                pass
+
+    def shutdown(self, timeout: float = 10) -> None:
+        self._closing = True
+        self.send(("stop", None))
+        if self._wait(timeout) is None:
+            self._process.kill()
+            self._wait(timeout)
+        self._conn.close()
+
+    def _wait(self, timeout: float) -> int | None:
+        """The child's exit code, waiting up to `timeout` s for it (None: still running)."""
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _recv(self):
+        return pickle.loads(self._conn.recv_bytes())
+
+    def _read(self) -> None:
+        while True:
+            try:
+                items, self.stats = self._recv()
+            except (EOFError, OSError):
+                break
+            self._deliver(items)
+        self._exited = True
+        if not self._closing:
+            self._on_exit(f"the engine process exited (exit code {self._wait(5)})")
+
+
+def _child_main(fd: int) -> None:
+    """The child: read its config, bind, load, say ready (or why not), run the step loop."""
+    conn = Connection(fd)
+    try:
+        config, num_threads = pickle.loads(conn.recv_bytes())
+        from serve_app.engine.cpus import bind_process
+
+        bind_process(config.engine_cpus)
+        import torch
+
+        torch.set_num_threads(len(config.engine_cpus) or num_threads)
+        from serve_app.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        ready = {"info": EngineInfo.of(engine, config.engine_cpus), "stats": engine.stats()}
+    except BaseException:
+        _send(conn, ("failed", traceback.format_exc()))
+        return
+
+    def receive(idle: bool) -> list:
+        messages = []
+        try:
+            if idle:
+                conn.poll(_IDLE_WAIT_S)
+            while conn.poll(0):
+                messages.append(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError):  # the parent is gone
+            messages.append(("stop", None))
+        return messages
+
+    def deliver(items: Items) -> None:
+        _send(conn, (items, engine.stats()))
+
+    _send(conn, ("ready", ready))
+    try:
+        run_steps(engine, receive, deliver)
+    except (BrokenPipeError, EOFError, OSError):  # the parent went away mid-send
+        pass
+
+
+def _send(conn, message) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))

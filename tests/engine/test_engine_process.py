@@ -1,0 +1,138 @@
+"""The step loop in a process of its own (EngineConfig.engine_process): the same tokens as on a
+thread, aborts and refusals across the pipe, binding to cores, and failures that end streams
+instead of hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from serve_app.engine import EngineConfig, SamplingParams
+from serve_app.engine.async_engine import AsyncEngine
+from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.inputs import EngineRequest
+
+CONFIG = EngineConfig(
+    model="demo-tiny", dtype="float32", max_seq_len=256, max_input_token_len=128,
+    max_iter_times=64, max_prefill_tokens=256, block_size=16, num_kv_blocks=64,
+)  # fmt: skip
+PROCESS = CONFIG.replace(engine_process=True)
+PROMPTS = [[5, 6, 7], list(range(10, 50)), [9] * 17, list(range(100, 103))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+async def _tokens(engine: AsyncEngine, request_id: str, prompt, params=GREEDY) -> list[int]:
+    tokens = []
+    async for output in engine.generate(EngineRequest(request_id, list(prompt), params)):
+        tokens += output.outputs[0].new_token_ids
+    return tokens
+
+
+async def _all(engine: AsyncEngine, tag: str) -> list[list[int]]:
+    runs = [_tokens(engine, f"{tag}{i}", p) for i, p in enumerate(PROMPTS)]
+    return list(await asyncio.gather(*runs))
+
+
+async def _idle(engine: AsyncEngine) -> dict:
+    for _ in range(200):
+        stats = engine.stats()
+        if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
+            break
+        await asyncio.sleep(0.02)
+    return engine.stats()
+
+
+@pytest.fixture(scope="module")
+def process_engine():
+    engine = AsyncEngine(PROCESS)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_process_engine_gives_the_threads_tokens(process_engine):
+    thread_engine = AsyncEngine(CONFIG)
+    try:
+        expected = asyncio.run(_all(thread_engine, "t"))
+    finally:
+        thread_engine.shutdown()
+    assert process_engine.engine is None  # nothing of the model in this process
+    assert process_engine.info.max_model_len == 256 and process_engine.info.num_blocks == 64
+    assert asyncio.run(_all(process_engine, "p")) == expected
+    assert process_engine.is_running
+
+
+def test_leaving_early_aborts_in_the_child_and_frees_its_blocks(process_engine):
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        request = EngineRequest("gone", PROMPTS[1], params)
+        async for _ in process_engine.generate(request):
+            break  # the client went away
+        return await _idle(process_engine)
+
+    stats = asyncio.run(run())
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_a_refused_request_fails_alone(process_engine):
+    async def run():
+        bad = _tokens(process_engine, "bad", [10**9])  # outside the vocabulary
+        good = _tokens(process_engine, "good", PROMPTS[0])
+        return await asyncio.gather(bad, good, return_exceptions=True)
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, RequestRejected) and "vocabulary" in str(bad)
+    assert len(good) == GREEDY.max_tokens
+
+
+def test_a_dead_engine_process_ends_every_stream_and_refuses_new_ones():
+    engine = AsyncEngine(PROCESS)
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stream = engine.generate(EngineRequest("victim", PROMPTS[1], params))
+        await anext(stream)
+        os.kill(engine._process._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="engine process exited"):
+            async for _ in stream:
+                pass
+        assert not engine.is_running
+        with pytest.raises(EngineError, match="not running"):
+            await _tokens(engine, "after", PROMPTS[0])
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), timeout=60))
+    finally:
+        engine.shutdown()
+
+
+def test_the_engine_process_binds_to_its_cores_and_threads():
+    core = min(os.sched_getaffinity(0))
+    engine = AsyncEngine(PROCESS.replace(engine_cpus=(core,)))
+    try:
+        assert engine.info.cpus == (core,) and engine.info.num_threads == 1
+        assert os.sched_getaffinity(engine._process._process.pid) == {core}
+        assert len(asyncio.run(_tokens(engine, "bound", PROMPTS[0]))) == GREEDY.max_tokens
+    finally:
+        engine.shutdown()
+    assert engine._process._process.poll() is not None  # shutdown ended the child
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (PROCESS.replace(engine_cpus=(4096,)), "cores 4096 are not available here"),
+        (PROCESS.replace(model="/nonexistent/weights"), "does not exist"),
+    ],
+)
+def test_an_engine_process_that_cannot_start_says_why(config, message):
+    with pytest.raises(RuntimeError, match="failed to start") as failure:
+        AsyncEngine(config)
+    assert message in str(failure.value)
+
+
+def test_engine_cpus_need_the_process():
+    with pytest.raises(ValueError, match="engineCpus needs engineProcess"):
+        CONFIG.replace(engine_cpus=(0,))
