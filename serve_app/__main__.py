@@ -95,8 +95,11 @@ def main() -> None:
 
 
 def _ingress_replicas(config) -> int:
-    replicas = config.Deployments.Ingress.num_replicas
-    return replicas if isinstance(replicas, int) else 8  # autoscaling: room to grow
+    """How many ingress replicas may run at once (each needs a port of its own)."""
+    ingress = config.Deployments.Ingress
+    if ingress.num_replicas == "auto" or ingress.autoscaling_config:
+        return int((ingress.autoscaling_config or {}).get("max_replicas", 8))
+    return ingress.num_replicas or 1
 
 
 def _bindable(host: str, port: int) -> bool:

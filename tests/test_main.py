@@ -1,0 +1,44 @@
+"""`python -m serve_app`'s choice between the ingress's own HTTP server and Ray's proxy."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from serve_app import __main__ as main
+from serve_app.config import load_config
+
+
+def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monkeypatch):
+    for name in (
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    main._direct_ingress(8123, 2)
+    assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8125"  # exclusive
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "9000")
+    main._direct_ingress(8123, 1)  # what the user exported wins
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "9000"
+
+
+def test_ingress_replica_counts():
+    assert main._ingress_replicas(load_config()) == 1
+    three = load_config({"Deployments": {"Ingress": {"num_replicas": 3}}})
+    assert main._ingress_replicas(three) == 3
+    auto = load_config({"Deployments": {"Ingress": {"num_replicas": "auto"}}})
+    assert main._ingress_replicas(auto) > 1  # room for autoscaled replicas
+    scaled = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 5}}
+    assert main._ingress_replicas(load_config({"Deployments": {"Ingress": scaled}})) == 5
+
+
+def test_a_port_in_use_is_not_bindable():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert not main._bindable("127.0.0.1", port)
+    assert main._bindable("127.0.0.1", main._free_port("127.0.0.1"))
