@@ -32,6 +32,28 @@ class SampleResult:
     top: list[list[tuple[int, float]]] | None  # per row: top-N (token, logprob) alternatives
 
 
+_CHUNK = 128  # row_argmax: elements per chunk
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=1)` for a 2-D tensor, exactly (the first maximum; NaN counts as the
+    largest), faster on CPU for wide rows: each row's chunk maxima (`amax`, which vectorizes,
+    where CPU argmax runs ~10x slower: ~7.5 ms against ~0.8 ms for 32 x 151936 float32 logits on
+    one thread), the first chunk holding the row's maximum, then argmax within that chunk."""
+    rows, width = x.shape
+    if x.device.type != "cpu" or width < 8 * _CHUNK:
+        return x.argmax(dim=1)
+    full = width - width % _CHUNK
+    maxima = x[:, :full].view(rows, -1, _CHUNK).amax(dim=2)
+    if full < width:  # the last, shorter chunk
+        maxima = torch.cat([maxima, x[:, full:].amax(dim=1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=1) * _CHUNK
+    # the winning chunk of each row; past the row's end (a short last chunk) the last element
+    # repeats, after the real ones, so argmax's first maximum is still a real position
+    window = (start[:, None] + torch.arange(_CHUNK, device=x.device)).clamp_(max=width - 1)
+    return start + x.gather(1, window).argmax(dim=1)
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow], index: list[int]) -> None:
     vocab = logits.shape[1]
     device = logits.device
@@ -109,7 +131,7 @@ class Sampler:
             allowed = rows[i].params.allowed_token_fn(rows[i].output_ids)
             if allowed is not None:
                 logits[i].masked_fill_(~torch.as_tensor(allowed, device=device), float("-inf"))
-        tokens = logits.argmax(dim=1)
+        tokens = row_argmax(logits)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:
             idx = torch.tensor(sampled, device=device)
@@ -131,7 +153,7 @@ class Sampler:
             for j, i in enumerate(sampled):
                 if rows[i].generator is not None:
                     noise[j].exponential_(generator=rows[i].generator)
-            tokens[idx] = (probs / noise).argmax(dim=1)
+            tokens[idx] = row_argmax(probs / noise)
         token_ids = tokens.tolist()
         chosen = top = None
         if logprobs is not None:

@@ -1,9 +1,10 @@
 """Sampler statistics on synthetic logits: no model needed."""
 
+import pytest
 import torch
 
 from serve_app.engine.params import SamplingParams
-from serve_app.engine.sampler import Sampler, SampleRow
+from serve_app.engine.sampler import Sampler, SampleRow, row_argmax
 
 VOCAB = 151936
 
@@ -155,3 +156,18 @@ def test_allowed_token_mask_hook_restricts_choices():
     params = SamplingParams(temperature=1.0, allowed_token_fn=lambda generated: mask)
     tokens = Sampler()(logits.expand(32, -1), _rows(params, 32)).token_ids
     assert set(tokens) <= {7, 8, 9}
+
+
+@pytest.mark.parametrize("width", [151936, 49152, 1500, 1025, 1024, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_torch_argmax(width, dtype):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(16, width, generator=g).to(dtype)
+    x[1] = 0.0  # all equal: the first index
+    x[2, [7, width - 1]] = 99.0  # a tie across chunks: the first one
+    x[3, width - 1] = 99.0  # the maximum in the last (maybe short) chunk
+    x[4] = float("-inf")  # everything masked
+    x[5, width // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
+    x[6, [3, width - 2]] = float("nan")
+    x[7, width - 3 :] = 50.0  # a tie at the end of the row
+    assert torch.equal(row_argmax(x), x.argmax(dim=1))
