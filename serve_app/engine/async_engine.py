@@ -3,7 +3,7 @@ async iterators.
 
 Adding and aborting requests from the event loop goes through an inbox that the step loop
 drains before each step, so the engine itself stays single-threaded. With `engine_process` the
-loop runs in a child process (`engine_process.py`) and the inbox is a pipe; otherwise on a
+loop runs in a child process (`engine_process.py`) and the inbox is a socket; otherwise on a
 thread here. A step's outputs go back to each event loop in one `call_soon_threadsafe` (one
 wake-up per step, not one per request), which puts each into its request's queue.
 `generate_batches` hands a consumer everything its request has queued at once: a consumer slower
@@ -28,9 +28,7 @@ from serve_app.engine.errors import EngineError
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
-from serve_app.engine.step_loop import run_steps
-
-_IDLE_WAIT_S = 0.5
+from serve_app.engine.step_loop import IDLE_WAIT_S, run_steps
 
 
 class AsyncEngine:
@@ -155,7 +153,7 @@ class AsyncEngine:
 
     def _receive(self, idle: bool) -> list:
         if idle:
-            self._wake.wait(timeout=_IDLE_WAIT_S)
+            self._wake.wait(timeout=IDLE_WAIT_S)
             self._wake.clear()
         messages = []
         while True:

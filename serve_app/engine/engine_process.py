@@ -3,12 +3,14 @@
 On a thread, the step loop shares its process's interpreter lock with everything else the
 replica does per token (detokenizing, stop strings, streaming chunks out), and waits for it
 between the kernels of every step. In a child process it shares nothing: the parent sends
-requests and aborts down a pipe, and gets back one message per step (every request's outputs
-plus the engine's stats), read by a thread that hands them to the waiting streams. Optionally the
-child binds itself to cores of its own (`engineCpus`), and its torch threads are those cores.
+requests and aborts over a socket pair, and gets back one message per step (every request's
+outputs plus the engine's stats), read by a thread that hands them to the waiting streams.
+Optionally the child binds itself to cores of its own (`engineCpus`), and its torch threads are
+those cores.
 
 Messages are pickled by value (KV payloads of PD hand-offs included), so no shared memory
-outlives either side. The child exits when the parent says stop or goes away (the pipe closes).
+outlives either side. The child exits when the parent says stop or goes away (the socket
+closes).
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.step_loop import Items, run_steps
-
-_IDLE_WAIT_S = 0.5
+from serve_app.engine.step_loop import IDLE_WAIT_S, Items, run_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +88,12 @@ class EngineProcess:
         try:
             kind, payload = self._recv()
         except (EOFError, OSError):
-            raise RuntimeError(
-                f"the engine process exited while loading (exit code {self._wait(5)})"
-            ) from None
+            kind, payload = "exited", None
         if kind != "ready":
-            self._wait(5)
+            code = self._wait(5)
+            self._conn.close()
+            if kind == "exited":
+                raise RuntimeError(f"the engine process exited while loading (exit code {code})")
             raise RuntimeError(f"the engine process failed to start:\n{payload}")
         self.info: EngineInfo = payload["info"]
         self.stats: dict = payload["stats"]
@@ -164,7 +165,7 @@ def _child_main(fd: int) -> None:
         messages = []
         try:
             if idle:
-                conn.poll(_IDLE_WAIT_S)
+                conn.poll(IDLE_WAIT_S)
             while conn.poll(0):
                 messages.append(pickle.loads(conn.recv_bytes()))
         except (EOFError, OSError):  # the parent is gone

@@ -14,6 +14,7 @@ from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 
 Items = list[tuple[str, object]]
+IDLE_WAIT_S = 0.5  # longest wait for a message while there is nothing to step
 
 
 def run_steps(
