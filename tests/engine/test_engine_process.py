@@ -113,7 +113,10 @@ def test_the_engine_process_binds_to_its_cores_and_threads():
     engine = AsyncEngine(PROCESS.replace(engine_cpus=(core,)))
     try:
         assert engine.info.cpus == (core,) and engine.info.num_threads == 1
-        assert os.sched_getaffinity(engine._process._process.pid) == {core}
+        pid = engine._process._process.pid
+        assert os.sched_getaffinity(pid) == {core}
+        with open(f"/proc/{pid}/environ", "rb") as f:  # big buffers reused from the heap
+            assert b"MALLOC_MMAP_THRESHOLD_=" in f.read()
         assert len(asyncio.run(_tokens(engine, "bound", PROMPTS[0]))) == GREEDY.max_tokens
     finally:
         engine.shutdown()
