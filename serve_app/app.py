@@ -54,4 +54,4 @@ def build_app(args: dict[str, Any] | None = None):
             replicas[role][model.modelName] = deployment.bind(config, i, role)
             names.append(name)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", **ingress_options(config))
-    return ingress.bind(pool.bind(config, True), replicas, config, names)
+    return ingress.bind(pool.bind(config, off_engine_cores=True), replicas, config, names)

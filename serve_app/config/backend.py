@@ -98,8 +98,9 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cpus_need_process(self) -> ModelConfig:
-        if self.engineCpus and not self.engineProcess:
-            raise ValueError("engineCpus needs engineProcess: true (it binds the engine process)")
+        found = engine_config.cpus_problems(self.engineProcess, self.engineCpus)
+        if found:
+            raise ValueError(found[0])
         return self
 
     @field_validator("modelName")

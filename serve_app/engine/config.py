@@ -68,8 +68,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         found = problems(self.by_mindie_name())
-        if self.engine_cpus and not self.engine_process:
-            found.append("engineCpus needs engineProcess: true (it binds the engine process)")
+        found += cpus_problems(self.engine_process, self.engine_cpus)
         if found:
             raise ValueError(found[0])  # the first broken rule, naming its keys
 
@@ -95,6 +94,13 @@ class EngineConfig:
     def by_mindie_name(self) -> dict[str, Any]:
         values = {key: getattr(self, name) for key, name in MINDIE_ALIASES.items()}
         return {**values, "dtype": self.dtype, "device": self.device}
+
+
+def cpus_problems(engine_process: bool, engine_cpus) -> list[str]:
+    """engineCpus binds the engine process, so it needs one (ModelConfig checks it too)."""
+    if engine_cpus and not engine_process:
+        return ["engineCpus needs engineProcess: true (it binds the engine process)"]
+    return []
 
 
 def problems(

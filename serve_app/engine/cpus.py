@@ -41,11 +41,12 @@ def available_cores() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def bind_process(cores: Iterable[int]) -> None:
-    """Every thread of this process (and the threads it starts later) on `cores` only.
+def bind_process(cores: Iterable[int] | None) -> None:
+    """Every thread of this process (and the threads it starts later) on `cores` only; None or
+    no cores: left as it is.
 
     ValueError when a core does not exist or may not be used here, naming those that may."""
-    cores = set(cores)
+    cores = set(cores or ())
     if not cores or not hasattr(os, "sched_setaffinity"):
         return
     missing = {c for c in cores if c >= (os.cpu_count() or 1)}

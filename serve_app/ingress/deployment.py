@@ -25,9 +25,7 @@ class Ingress:
         """replicas: role ("colocated", or "prefill" and "decode") -> model name -> handle."""
         from ray import serve
 
-        cores = config.serving_cores()  # off the cores an engine process is bound to
-        if cores:
-            bind_process(cores)
+        bind_process(config.serving_cores())  # off the cores an engine process is bound to
         self.config = config
         self.backend = RayBackend(
             tokenizer_pool,

@@ -38,9 +38,8 @@ class TokenizerPool:
         off_engine_cores: bind this process to the cores no engine process is bound to
         (ModelConfig engineCpus); the app builder asks for it, in-process users do not."""
         config = config or AppConfig()
-        cores = config.serving_cores() if off_engine_cores else None
-        if cores:
-            bind_process(cores)
+        if off_engine_cores:
+            bind_process(config.serving_cores())
         self._models: dict[str, _Model] = {}
         for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
             path = resolve_model_path(model.modelWeightPath)

@@ -57,5 +57,7 @@ def test_bind_process_moves_every_thread_and_later_ones():
         assert seen == {"early": {min(here)}, "late": {min(here)}}
         with pytest.raises(ValueError, match="not available here"):
             bind_process({4096})
+        bind_process(None)  # nothing to bind to: left as it is
+        assert os.sched_getaffinity(0) == {min(here)}
     finally:
         bind_process(here)
