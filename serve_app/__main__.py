@@ -67,7 +67,7 @@ def main() -> None:
         proxy_http = {**http, "port": _free_port(http["host"])}
     ray.init(include_dashboard=False, logging_level="WARNING")
     serve.start(proxy_location=spec.get("proxy_location", "HeadOnly"), http_options=proxy_http)
-    print("serve_app: starting (the first start builds the demo model, about a minute) ...")
+    print("serve_app: starting (a built-in model is built into the cache on its first use) ...")
     for app in apps:
         serve.run(
             build_app(app.get("args") or {}),

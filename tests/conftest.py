@@ -53,3 +53,18 @@ def hf_greedy(hf_demo, prompts):
 @pytest.fixture(scope="session")
 def greedy_reference(hf_greedy):
     return hf_greedy[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The built-in SmolLM2-135M-Instruct folder (`make install` converts it; else now)."""
+    from serve_app.models import smollm2
+
+    return smollm2.ensure()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()

@@ -44,8 +44,9 @@ class ModelConfig(BaseModel):
         _ENGINE.model,
         min_length=1,
         description=(
-            "Folder of Hugging Face safetensors weights, or 'demo' / 'demo-tiny' for the built-in "
-            "demo model."
+            "Folder of Hugging Face safetensors weights, or a built-in model: "
+            "'smollm2-135m-instruct' (SmolLM2-135M-Instruct, converted on first use), 'demo' / "
+            "'demo-tiny' (random weights for tests and benchmarks)."
         ),
     )
     worldSize: int = Field(1, ge=1, description="Devices one model instance spans.")

@@ -43,7 +43,7 @@ _COUNTS = (
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "demo"  # modelWeightPath: a folder of HF weights, or "demo" / "demo-tiny"
+    model: str = "demo"  # modelWeightPath: a folder of HF weights, or a built-in model's name
     model_name: str = "demo"
     dtype: str = "auto"  # one of DTYPES
     device: str = "auto"  # one of DEVICES

@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import argparse
 import base64
-import fcntl
 import json
 import math
-import os
 import re
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from serve_app.models.cache import build_atomically, ensure_built, log
 
 DEMO_VARIANTS = ("demo", "demo-tiny")
 FORMAT_VERSION = 1  # bump when the builder's output changes, so caches rebuild
@@ -63,7 +60,7 @@ _PEAK_SCORE, _PEAK_FREQS = 250.0, 6
 
 
 def _log(message: str) -> None:
-    print(f"demo model: {message}", file=sys.stderr, flush=True)
+    log("demo model", message)
 
 
 def _bpe_ranks() -> dict[bytes, int]:
@@ -206,17 +203,11 @@ def _write_json(path: Path, data: dict) -> None:
 def build_demo_model(out_dir: str | Path, variant: str = "demo") -> Path:
     """Build `variant` into out_dir (which must not exist yet, or be empty); returns out_dir.
 
-    Everything is written to a temporary sibling first and renamed into place, so a crashed
-    build leaves nothing half-written. If a concurrent builder wins the rename, its copy is kept.
-    """
+    Written to a temporary sibling first and renamed into place (`models/cache.py`)."""
     if variant not in DEMO_VARIANTS:
         raise ValueError(f"unknown demo variant {variant!r}; expected one of {DEMO_VARIANTS}")
-    out = Path(out_dir).expanduser().absolute()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} already exists and is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         _log(f"building {variant} ...")
         ranks = _bpe_ranks()
         _log("converting tokenizer ...")
@@ -228,18 +219,8 @@ def build_demo_model(out_dir: str | Path, variant: str = "demo") -> Path:
         _log("writing weights ...")
         weights = _weights(_model_config(variant), ranks, _SEEDS[variant])
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for path in tmp.iterdir():  # mkdtemp and safetensors create owner-only files
-            path.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
-            shutil.rmtree(tmp)  # a concurrent builder finished first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    out = build_atomically(out_dir, write)
     _log(f"ready at {out}")
     return out
 
@@ -248,18 +229,8 @@ def ensure_demo_model(variant: str = "demo", cache_dir: str | Path | None = None
     """The cached build of `variant`, building it on first use (one builder per cache dir)."""
     if variant not in DEMO_VARIANTS:
         raise ValueError(f"unknown demo variant {variant!r}; expected one of {DEMO_VARIANTS}")
-    if cache_dir is None:
-        cache_dir = os.environ.get("SERVE_APP_CACHE") or Path.home() / ".cache" / "serve_app"
-    root = Path(cache_dir).expanduser()
-    target = root.absolute() / f"{variant}-v{FORMAT_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # other processes wait here, then find it built
-        if not (target / "config.json").exists():
-            build_demo_model(target, variant)
-    return target
+    folder = f"{variant}-v{FORMAT_VERSION}"
+    return ensure_built(folder, lambda out: build_demo_model(out, variant), cache_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
