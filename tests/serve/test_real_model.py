@@ -1,0 +1,104 @@
+"""The shipped default model over real HTTP on Ray: SmolLM2-135M-Instruct answers like a user
+expects, through each API family, with its own chat template and end-of-turn token."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from serve_helpers import SERVE_TEST_ARGS, deploy
+
+MODEL = "smollm2-135m-instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# Chat samples at temperature 1 by default and its range excludes 0: top_k 1 decodes greedily.
+GREEDY = {"extra_body": {"top_k": 1}}
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    from ray import serve
+
+    args = copy.deepcopy(SERVE_TEST_ARGS)
+    model = {"modelName": MODEL, "modelWeightPath": MODEL, "engineProcess": True}
+    args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [model]
+    yield deploy(cluster, args)
+    serve.delete("serve_app")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_answers_the_question(client, kv_idle_http):
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=32, **GREEDY)
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "eos_token"  # it ended its turn (<|im_end|>) by itself
+    assert "<|im_end|>" not in choice.message.content
+    # the prompt is the template's: its default system message, the question, the turn marks
+    assert reply.usage.prompt_tokens > 30
+    assert kv_idle_http()
+
+
+def test_a_conversation_with_a_system_prompt_streams(client, kv_idle_http):
+    messages = [
+        {"role": "system", "content": "You are a helpful geography assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "And what is the capital of Germany?"},
+    ]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=32, stream=True, **GREEDY
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Berlin" in text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "eos_token"
+    assert kv_idle_http()
+
+
+def test_a_stop_string_ends_the_answer_before_it(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=32, stop=["Paris"], **GREEDY
+    )
+    choice = reply.choices[0]
+    assert "Paris" not in choice.message.content and "capital" in choice.message.content
+    assert choice.finish_reason == "stop_sequence"
+
+
+def test_completions_continue_the_text(client):
+    reply = client.completions.create(
+        model=MODEL, prompt="The capital of Germany is", max_tokens=8, temperature=0
+    )
+    assert "Berlin" in reply.choices[0].text
+    reply = client.completions.create(
+        model=MODEL, prompt="The first three letters of the alphabet are", max_tokens=12,
+        temperature=0,
+    )  # fmt: skip
+    words = reply.choices[0].text.split()
+    assert len(words) >= 3 and all(w.isprintable() for w in words)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_sampled_answers_vary_and_stay_on_topic(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=24, temperature=0.7, n=3, seed=5
+    )
+    answers = [c.message.content for c in reply.choices]
+    assert len(answers) == 3 and all(a.strip() for a in answers)
+
+
+def test_triton_generate_and_mindie_infer(http):
+    body = {"text_input": "The capital of Germany is", "parameters": {"max_new_tokens": 8}}
+    reply = http.post(f"/v2/models/{MODEL}/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert "Berlin" in reply.json()["text_output"]
+    body = {"inputs": "The capital of Germany is", "parameters": {"max_new_tokens": 8}}
+    reply = http.post("/infer", json={**body, "stream": False})
+    assert reply.status_code == 200, reply.text
+    assert "Berlin" in json.loads(reply.text)["generated_text"]
