@@ -171,12 +171,14 @@ def _batch(generator, decodes, prompts):
     return seqs, num_new
 
 
-def _compare(case, heads, kv_heads, scaling, device="cpu", dtype=torch.float32, tol=1e-5):
+def _compare(
+    case, heads, kv_heads, scaling, device="cpu", dtype=torch.float32, tol=1e-5, head_dim=None
+):
     """Run both backends on one random packed batch (2 layers); the torch one in float32 on the
     CPU, the NPU one on `device` in `dtype`. Compare outputs and the caches written."""
     seed = sorted(CASES).index(case) * 100 + heads * 10 + kv_heads
     generator = torch.Generator().manual_seed(seed)
-    head_dim = 16 if device == "cpu" else 128
+    head_dim = head_dim or (16 if device == "cpu" else 128)
     layers = 2
     seqs, num_new = _batch(generator, *CASES[case])
     total = sum(num_new)
@@ -222,6 +224,12 @@ def test_matches_torch_backend(fake_npu, case, heads, kv_heads, scaling):
     fia = [info for name, info in fake_npu.calls if name == "fused_infer_attention_score"]
     paged = any(computed for computed, _ in prompts)
     assert fia == ([{"paged": paged}] * layers if prompts else [])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch_backend_with_smollm2_shapes(fake_npu, case):
+    # SmolLM2-135M: 9 query heads over 3 KV heads (3:1), head_dim 64, within the ops' limits
+    _compare(case, 9, 3, None, head_dim=64)
 
 
 @pytest.mark.npu
@@ -286,3 +294,35 @@ def test_engine_greedy_matches_transformers_on_fake_npu(fake_npu, prompts, greed
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
     assert {"paged_attention", "fused_infer_attention_score"} <= set(fake_npu.names())
     assert {"paged": True} in [info for _, info in fake_npu.calls]
+
+
+def test_engine_on_smollm2_matches_transformers_on_fake_npu(fake_npu, hf_smollm2):
+    # The real Llama model through the NPU backend's shape checks and kernels' semantics.
+    from transformers import AutoTokenizer
+
+    from serve_app.engine import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(hf_smollm2.name_or_path)
+    texts = ["The capital of Germany is", "Once upon a time, in a small village by the sea,"]
+    prompts = [tok(t).input_ids for t in texts]
+    with torch.inference_mode():
+        want = [
+            hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
+            for ids in prompts
+        ]
+    llm = LLM(
+        "smollm2-135m-instruct",
+        device="cpu",
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=8,
+        max_seq_len=512,
+        max_prefill_tokens=8,
+        max_input_token_len=8,
+    )
+    llm.engine.runner.model.set_attn_implementation(npu_attention.register())
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert {"paged_attention", "fused_infer_attention_score"} <= set(fake_npu.names())
