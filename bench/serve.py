@@ -1,6 +1,6 @@
 """Serving load generator: streams requests at any OpenAI-compatible server and sweeps the load.
 
-    # our server (`make serve`: the built-in model `demo` at http://127.0.0.1:8000/v1)
+    # our server (`make serve CONFIG=bench/demo.yaml`: the model `demo` at 127.0.0.1:8000/v1)
     .venv/bin/python bench/serve.py --target ours=http://127.0.0.1:8000/v1 \\
         --prompt-len uniform:64:256 --output-len 128 --ignore-eos --concurrency 1,4,16
 
@@ -654,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer-model-dir",
         type=Path,
         help="weights folder for the peers (default: the built-in demo model, the weights "
-        "`make serve` serves)",
+        "bench/demo.yaml serves)",
     )
     p.add_argument("--peer-dtype", default="bfloat16", help="peers' dtype (default bfloat16)")
     p.add_argument(
