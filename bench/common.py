@@ -32,12 +32,13 @@ def log(message: str, tag: str = "") -> None:
 # -- prompts ------------------------------------------------------------------------------------
 
 
-def seeded_prompts(num: int, length: int, seed: int) -> list[list[int]]:
-    """`num` prompts of `length` regular token ids, uniform, from a torch.Generator(seed)."""
+def seeded_prompts(num: int, length: int, seed: int, vocab: int = VOCAB_REGULAR) -> list[list[int]]:
+    """`num` prompts of `length` token ids uniform below `vocab` (default: the demo tokenizer's
+    regular tokens), from a torch.Generator(seed)."""
     import torch  # only the engine benchmark needs torch in its own process
 
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB_REGULAR, (num, length), generator=gen).tolist()
+    return torch.randint(0, vocab, (num, length), generator=gen).tolist()
 
 
 def random_token_ids(rng: random.Random, length: int, vocab: int = VOCAB_REGULAR) -> list[int]:

@@ -3,10 +3,11 @@
     .venv/bin/python bench/engine.py              # 32 x 128-token prompts x 128 tokens, fp32+bf16
     .venv/bin/python bench/engine.py --quick      # 8 x 32 x 16 smoke test (under ~2 minutes)
     .venv/bin/python bench/engine.py --dtype float32 --repeats 3
+    .venv/bin/python bench/engine.py --model smollm2-135m-instruct   # the real built-in model
 
-Every system generates the same greedy, EOS-free workload on the demo model, after a short
-warm-up, and is scored as output tokens / wall seconds. See bench/README.md for what each system
-is and how to read the ratios.
+Every system generates the same greedy, EOS-free workload on the demo model (or --model), after
+a short warm-up, and is scored as output tokens / wall seconds. See bench/README.md for what each
+system is and how to read the ratios.
 """
 
 from __future__ import annotations
@@ -55,10 +56,8 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
 from peers import PeerUnavailable, vllm_python  # noqa: E402
 
 from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
-from serve_app.models.demo import ensure_demo_model  # noqa: E402
-from serve_app.models.loader import load_model  # noqa: E402
+from serve_app.models.loader import load_model, resolve_model_path  # noqa: E402
 
-PAD_ID = 151643  # <|endoftext|>
 WARMUP_TOKENS = 4  # output tokens of every warm-up run
 WARMUP_SEED_OFFSET = 1_000_000  # the warm-up's prompts come from seed + this
 
@@ -141,7 +140,7 @@ class TokenTimer(BaseStreamer):
 def build_ours(args, dtype: str) -> LLM:
     per_seq = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
     return LLM(
-        model="demo",
+        model=args.model,
         dtype=dtype,
         max_batch_size=args.requests,
         max_prefill_batch_size=args.requests,
@@ -193,7 +192,7 @@ def run_hf_cb(model, prompts, output_len: int, config: ContinuousBatchingConfig)
         max_new_tokens=output_len,
         do_sample=False,
         eos_token_id=-1,  # -1 disables EOS in generate_batch (None falls back to the model's)
-        pad_token_id=PAD_ID,
+        pad_token_id=0,  # no padding is generated: every request gets all output_len tokens
     )
     results = model.generate_batch(
         inputs=prompts,
@@ -215,7 +214,7 @@ def hf_generate_config(model, output_len: int) -> GenerationConfig:
         max_new_tokens=output_len,
         min_new_tokens=output_len,
         do_sample=False,
-        pad_token_id=PAD_ID,
+        pad_token_id=0,  # no padding is generated: every request gets all output_len tokens
         eos_token_id=eos_ids,  # min_new_tokens keeps them from ending a request early
     )
 
@@ -599,6 +598,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=["float32", "bfloat16"],
         choices=["float32", "bfloat16", "float16"],
     )
+    parser.add_argument(
+        "--model",
+        default="demo",
+        help="modelWeightPath: a built-in model (demo, smollm2-135m-instruct) or an HF folder",
+    )
     parser.add_argument("--requests", type=int, default=None, help="default 32 (8 with --quick)")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (32)")
     parser.add_argument("--output-len", type=int, default=None, help="default 128 (16)")
@@ -653,7 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=None,
-        help="JSON result (default bench/results/engine.json, engine-quick.json with --quick)",
+        help="JSON result (default bench/results/engine.json, engine-quick.json with --quick; "
+        "engine-MODEL.json for another --model)",
     )
     return parser
 
@@ -680,7 +685,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 (per-token latency needs two tokens)")
     if args.out is None:
-        args.out = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
+        name = "engine" if args.model == "demo" else f"engine-{Path(args.model).name}"
+        args.out = RESULTS_DIR / (f"{name}-quick.json" if quick else f"{name}.json")
     return args
 
 
@@ -698,14 +704,15 @@ def print_header(args, run: Run) -> None:
     )
 
 
-def workload_record(args) -> dict:
+def workload_record(args, vocab: int) -> dict:
     """The workload as the JSON result describes it."""
     return {
+        "model": args.model,
         "requests": args.requests,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "prompt_ids": (
-            f"uniform in [0, {VOCAB_REGULAR}), torch.Generator seed {args.seed} (+ r for repeat r)"
+            f"uniform in [0, {vocab}), torch.Generator seed {args.seed} (+ r for repeat r)"
         ),
         "sampling": "greedy, ignore_eos (transformers: eos -1 / min_new_tokens)",
         "one_at_a_time_requests": args.one_at_a_time,
@@ -737,6 +744,12 @@ def bench_dtype_apart(args, *rest) -> dict:
         return pool.submit(bench_dtype_in_child, args, *rest).result()
 
 
+def prompt_vocab(model_path: Path) -> int:
+    """Prompt ids are drawn below this: the demo tokenizer's regular tokens, else the vocab."""
+    vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    return min(vocab, VOCAB_REGULAR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_up_process(args)
@@ -750,12 +763,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print_header(args, run)
-    model_path = ensure_demo_model("demo")
+    model_path = resolve_model_path(args.model)
+    vocab = prompt_vocab(model_path)
     # Repeat r uses seed + r; the warm-up has prompts of its own (so no prefix cache hits).
     prompt_sets = [
-        seeded_prompts(args.requests, args.prompt_len, args.seed + r) for r in range(args.repeats)
+        seeded_prompts(args.requests, args.prompt_len, args.seed + r, vocab)
+        for r in range(args.repeats)
     ]
-    warm_prompts = seeded_prompts(args.requests, args.prompt_len, args.seed + WARMUP_SEED_OFFSET)
+    warm = args.seed + WARMUP_SEED_OFFSET
+    warm_prompts = seeded_prompts(args.requests, args.prompt_len, warm, vocab)
 
     results = {}
     run_dtype = bench_dtype_apart if len(args.dtype) > 1 else bench_dtype
@@ -763,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         results[dtype] = run_dtype(args, dtype, prompt_sets, warm_prompts, model_path)
         print_report(dtype, results[dtype])
 
-    run.write(args.out, workload=workload_record(args), results=results)
+    run.write(args.out, workload=workload_record(args, vocab), results=results)
     return 0
 
 

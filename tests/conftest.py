@@ -27,18 +27,17 @@ def prompts():
     return [torch.randint(0, 151643, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="session")
-def hf_greedy(hf_demo, prompts):
-    """transformers' greedy continuation of each prompt (16 tokens, EOS ignored), with the
-    log-probability of each chosen token: the demo model's argmax is decisive by design, so
-    parity of the log-probabilities is what shows that every cached position was attended."""
+def transformers_greedy(model, prompts, max_new_tokens=16, ignore_eos=True):
+    """transformers' greedy continuation of each prompt, with the log-probability of each
+    chosen token: (tokens, logprobs). ignore_eos: exactly max_new_tokens each; else a prompt
+    stops at the model's EOS, as ours do."""
     tokens, logprobs = [], []
     with torch.inference_mode():
         for ids in prompts:
-            out = hf_demo.generate(
+            out = model.generate(
                 torch.tensor([ids]),
-                max_new_tokens=16,
-                min_new_tokens=16,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens if ignore_eos else None,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
@@ -48,6 +47,14 @@ def hf_greedy(hf_demo, prompts):
             tokens.append(chosen.tolist())
             logprobs.append(steps.gather(1, chosen[:, None])[:, 0].tolist())
     return tokens, logprobs
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_demo, prompts):
+    """transformers' greedy continuation of each prompt (16 tokens, EOS ignored) and the
+    log-probability of each chosen token: the demo model's argmax is decisive by design, so
+    parity of the log-probabilities is what shows that every cached position was attended."""
+    return transformers_greedy(hf_demo, prompts)
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +75,9 @@ def hf_smollm2(smollm2_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_of():
+    """transformers_greedy, for test modules with prompts and models of their own."""
+    return transformers_greedy

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import assert_idle, assert_matches_transformers, tokens
 
 from serve_app.engine import (
     LLM,
@@ -37,25 +38,6 @@ def make_llm(**overrides):
 @pytest.fixture(scope="module")
 def llm():
     return make_llm()
-
-
-def tokens(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_matches_transformers(outputs, hf_greedy):
-    """Same tokens, and the same log-probability for each (fp32 rounding only)."""
-    ref_tokens, ref_logprobs = hf_greedy
-    assert tokens(outputs) == ref_tokens
-    for output, expected in zip(outputs, ref_logprobs, strict=True):
-        got = torch.tensor([lp.logprob for lp in output.outputs[0].logprobs])
-        torch.testing.assert_close(got, torch.tensor(expected), atol=2e-4, rtol=0)
-
-
-def assert_idle(llm):
-    stats = llm.engine.stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"]
-    assert not llm.engine.requests
 
 
 def test_greedy_matches_transformers_with_chunked_prefill(prompts, hf_greedy):
