@@ -94,11 +94,13 @@ def test_sampled_answers_vary_and_stay_on_topic(client):
 
 
 def test_triton_generate_and_mindie_infer(http):
-    body = {"text_input": "The capital of Germany is", "parameters": {"max_new_tokens": 8}}
+    # both sample by default (temperature 1): do_sample false decodes greedily
+    params = {"max_new_tokens": 8, "do_sample": False}
+    body = {"text_input": "The capital of Germany is", "parameters": params}
     reply = http.post(f"/v2/models/{MODEL}/generate", json=body)
     assert reply.status_code == 200, reply.text
     assert "Berlin" in reply.json()["text_output"]
-    body = {"inputs": "The capital of Germany is", "parameters": {"max_new_tokens": 8}}
+    body = {"inputs": "The capital of Germany is", "parameters": params}
     reply = http.post("/infer", json={**body, "stream": False})
     assert reply.status_code == 200, reply.text
     assert "Berlin" in json.loads(reply.text)["generated_text"]
