@@ -296,22 +296,18 @@ def test_engine_greedy_matches_transformers_on_fake_npu(fake_npu, prompts, greed
     assert {"paged": True} in [info for _, info in fake_npu.calls]
 
 
-def test_engine_on_smollm2_matches_transformers_on_fake_npu(fake_npu, hf_smollm2):
+def test_engine_on_smollm2_matches_transformers_on_fake_npu(
+    fake_npu, smollm2_path, hf_smollm2, hf_greedy_of
+):
     # The real Llama model through the NPU backend's shape checks and kernels' semantics.
     from transformers import AutoTokenizer
 
     from serve_app.engine import LLM, SamplingParams
 
-    tok = AutoTokenizer.from_pretrained(hf_smollm2.name_or_path)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
     texts = ["The capital of Germany is", "Once upon a time, in a small village by the sea,"]
     prompts = [tok(t).input_ids for t in texts]
-    with torch.inference_mode():
-        want = [
-            hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[
-                0, len(ids) :
-            ].tolist()
-            for ids in prompts
-        ]
+    want, _ = hf_greedy_of(hf_smollm2, prompts, 8, ignore_eos=False)
     llm = LLM(
         "smollm2-135m-instruct",
         device="cpu",
