@@ -1,8 +1,9 @@
 """`build_app(args)`: the Ray Serve application (the import_path of deployments.yaml).
 
     Ingress (FastAPI) ──► TokenizerPool (N CPU replicas)
-                     └──► ModelReplica  (one deployment per served model, accelerator-pinned)
-    inferMode dmi:   └──► PrefillReplica ──(first token + KV)──► DecodeReplica  (per model)
+                     ├──► ModelReplica  (one deployment per served model, accelerator-pinned)
+    inferMode dmi:   ├──► PrefillReplica ──(first token + KV)──► DecodeReplica  (per model)
+                     └──► EmbeddingReplica  (one deployment per EmbeddingConfig[] endpoint, CPU)
 
 Deployment classes are plain; only this builder decorates and binds them. `args` is the config
 tree of serve_app/config/ (MindIE config.json names plus `Deployments` options); it is validated
@@ -27,12 +28,20 @@ def replica_deployment_name(config: AppConfig, model_index: int, role: str = "co
     return base if len(models) == 1 else f"{base}-{models[model_index].modelName}"
 
 
+def embedding_deployment_name(config: AppConfig, index: int) -> str:
+    endpoints = config.EmbeddingConfig
+    base = "EmbeddingReplica"
+    return base if len(endpoints) == 1 else f"{base}-{endpoints[index].endpointName}"
+
+
 def build_app(args: dict[str, Any] | None = None):
     from ray import serve
 
     from serve_app.ingress.deployment import Ingress
+    from serve_app.replica.embedding_replica import EmbeddingReplica
     from serve_app.replica.model_replica import ModelReplica
     from serve_app.replica.options import (
+        embedding_replica_options,
         ingress_options,
         model_replica_options,
         tokenizer_pool_options,
@@ -53,5 +62,14 @@ def build_app(args: dict[str, Any] | None = None):
             deployment = serve.deployment(ModelReplica, name=name, **options)
             replicas[role][model.modelName] = deployment.bind(config, i, role)
             names.append(name)
+    # One CPU deployment per embedding endpoint; the ingress is ready once these are too.
+    embedding = {}
+    for i, endpoint in enumerate(config.embedding_names):
+        name = embedding_deployment_name(config, i)
+        options = embedding_replica_options(config)
+        deployment = serve.deployment(EmbeddingReplica, name=name, **options)
+        embedding[endpoint] = deployment.bind(config, i, off_engine_cores=True)
+        names.append(name)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", **ingress_options(config))
-    return ingress.bind(pool.bind(config, off_engine_cores=True), replicas, config, names)
+    pool_app = pool.bind(config, off_engine_cores=True)
+    return ingress.bind(pool_app, replicas, config, names, embedding=embedding)

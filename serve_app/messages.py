@@ -49,16 +49,21 @@ class TokenizeRequest:
 
     kind: "completion" (text prompt), "chat" (messages through the chat template: the chat
     rule), "token_ids" (ids given by the client: vocabulary + length), "text" (/infer and
-    Triton text_input: the completion rule). See docs/apis.md#token-count-rules.
+    Triton text_input: the completion rule), "templated" (a completion prompt as one user turn
+    through the chat template when the model has one, else as is: the completion rule). See
+    docs/apis.md#token-count-rules. truncate: a prompt over its limit keeps its last tokens
+    instead of being refused, whatever the server's `truncation` says.
     """
 
     model: str
-    kind: Literal["completion", "chat", "token_ids", "text"]
+    kind: Literal["completion", "chat", "token_ids", "text", "templated"]
     text: str | None = None
     messages: list[dict] | None = None  # [{"role", "content"}], content str or text parts
+    tools: list[dict] | None = None  # chat: OpenAI tool objects the model is offered
     token_ids: list[int] | None = None
     param: str = "prompt"  # the request field to name in a rejection
     add_special_tokens: bool = True
+    truncate: bool = False
 
 
 @dataclass(slots=True)
@@ -228,3 +233,25 @@ class DecodeRequest:
     first_text_held: bool = False
     max_output_tokens: int = 0  # output tokens in all, the first included (the PD count rule)
     elapsed_s: float = 0.0  # the request's age when decode was asked (its e2eTimeout carries on)
+
+
+# -- embedding deployments ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EmbedRequest:
+    """Texts to embed on one embedding endpoint. The deployment answers an `EmbedResult`, or a
+    `Rejection` naming `param[i]` for an input it refuses (empty, over the model's token
+    limit): refused whole, never cut, as vLLM refuses over-long embedding inputs."""
+
+    texts: list[str]
+    param: str = "input"  # the request field to name in a rejection: "input", "input[2]", ...
+
+
+@dataclass(slots=True)
+class EmbedResult:
+    """One L2-normalised vector per text, in the request's order, and each text's token count
+    (special tokens included: what usage.prompt_tokens adds up)."""
+
+    vectors: list[list[float]]
+    num_tokens: list[int]

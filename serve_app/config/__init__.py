@@ -4,11 +4,13 @@ Place in the request path: nothing runs per request here. `load_config` turns th
 application `args` (or a YAML/JSON file) into a frozen `AppConfig` before any deployment starts;
 `build_app` hands that object to every deployment: the ingress reads `ServerConfig` (timeouts,
 limits), the tokenizer pool `AppConfig.token_limits`, each model replica
-`AppConfig.engine_config()`. Keys and defaults follow MindIE Server's config.json; our additions
-say "(extension)" in their description (README, "Configuration").
+`AppConfig.engine_config()`, each embedding replica its `EmbeddingConfig[]` item. Keys and
+defaults follow MindIE Server's config.json; our additions say "(extension)" in their
+description (README, "Configuration").
 
     server.py       ServerConfig
     backend.py      BackendConfig: ModelDeployConfig (ModelConfig[]), ScheduleConfig
+    embedding.py    EmbeddingConfig[]: embedding endpoints (extension)
     deployments.py  Deployments: Ray Serve options per deployment (extension)
     app.py          AppConfig, and what deployments derive from it
     loading.py      load_config, ConfigError
@@ -17,6 +19,7 @@ say "(extension)" in their description (README, "Configuration").
 from serve_app.config.app import AppConfig, accelerator_env
 from serve_app.config.backend import BackendConfig, ModelConfig, ModelDeployConfig, ScheduleConfig
 from serve_app.config.deployments import DeploymentOptions, Deployments
+from serve_app.config.embedding import EmbeddingConfig
 from serve_app.config.loading import ConfigError, load_config
 from serve_app.config.server import ServerConfig
 
@@ -26,6 +29,7 @@ __all__ = [
     "ConfigError",
     "DeploymentOptions",
     "Deployments",
+    "EmbeddingConfig",
     "ModelConfig",
     "ModelDeployConfig",
     "ScheduleConfig",

@@ -1,20 +1,23 @@
 """`AppConfig`: the whole application config (Ray Serve application `args`), and what the
-deployments derive from it: each model's `EngineConfig`, the token-count rules, the mode."""
+deployments derive from it: each model's `EngineConfig`, the token-count rules, the mode, the
+embedding endpoints."""
 
 from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.config.backend import BackendConfig, mindie_values
+from serve_app.config.backend import BackendConfig, cross_check, mindie_values
 from serve_app.config.deployments import Deployments
+from serve_app.config.embedding import EmbeddingConfig, name_problems
 from serve_app.config.server import ServerConfig
 from serve_app.engine.config import MINDIE_ALIASES, EngineConfig
 from serve_app.engine.cpus import parse_cpus, serving_cores
 from serve_app.tokenizer.limits import TokenLimits
 
 _ServerConfig, _BackendConfig, _Deployments = ServerConfig, BackendConfig, Deployments
+_EmbeddingConfig = EmbeddingConfig
 
 
 class AppConfig(BaseModel):
@@ -28,14 +31,30 @@ class AppConfig(BaseModel):
     BackendConfig: _BackendConfig = Field(
         default_factory=_BackendConfig, description="Devices, models and scheduling."
     )
+    EmbeddingConfig: tuple[_EmbeddingConfig, ...] = Field(
+        (),
+        description=(
+            "(extension) Embedding endpoints, one deployment each; empty (default) = none."
+        ),
+    )
     Deployments: _Deployments = Field(
         default_factory=_Deployments,
         description="(extension) Ray Serve options per deployment: replicas, resources.",
     )
 
+    @model_validator(mode="after")
+    def _unique_names(self) -> AppConfig:
+        cross_check(name_problems(self.EmbeddingConfig, self.model_names))
+        return self
+
     @property
     def model_names(self) -> list[str]:
         return [m.modelName for m in self.BackendConfig.ModelDeployConfig.ModelConfig]
+
+    @property
+    def embedding_names(self) -> list[str]:
+        """The embedding endpoints served, in EmbeddingConfig order."""
+        return [e.endpointName for e in self.EmbeddingConfig]
 
     @property
     def pd_mode(self) -> bool:

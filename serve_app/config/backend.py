@@ -22,10 +22,21 @@ _SCHED = "BackendConfig.ScheduleConfig"
 _DEPLOY = "BackendConfig.ModelDeployConfig"
 
 
-def _cross_check(problems: list[str]) -> None:
+def cross_check(problems: list[str]) -> None:
     """Rules across keys fail as one error whose lines name both keys by their paths."""
     if problems:
         raise PydanticCustomError("cross_check", "{detail}", {"detail": "\n".join(problems)})
+
+
+def served_name(value: str) -> str:
+    """A name clients send (a model, an embedding endpoint): URL-safe, as in the routes."""
+    allowed = all(c.isascii() and (c.isalnum() or c in "-._") for c in value)
+    if not allowed or value[0] in "-._" or value[-1] in "-._":
+        raise ValueError(
+            f"{value!r} must be letters, digits, '-', '.', '_' and must not "
+            "start or end with '-', '.', '_'"
+        )
+    return value
 
 
 class ModelConfig(BaseModel):
@@ -107,13 +118,7 @@ class ModelConfig(BaseModel):
     @field_validator("modelName")
     @classmethod
     def _name(cls, value: str) -> str:
-        allowed = all(c.isascii() and (c.isalnum() or c in "-._") for c in value)
-        if not allowed or value[0] in "-._" or value[-1] in "-._":
-            raise ValueError(
-                f"{value!r} must be letters, digits, '-', '.', '_' and must not "
-                "start or end with '-', '.', '_'"
-            )
-        return value
+        return served_name(value)
 
     @field_validator("npuMemSize")
     @classmethod
@@ -161,7 +166,7 @@ class ModelDeployConfig(BaseModel):
                     "unique"
                 )
             seen.setdefault(model.modelName, i)
-        _cross_check(problems)
+        cross_check(problems)
         return self
 
 
@@ -268,7 +273,7 @@ class BackendConfig(BaseModel):
                 for i, model in enumerate(deploy.ModelConfig)
                 if model.cpuMemSize <= 0
             ]
-        _cross_check(problems)
+        cross_check(problems)
         return self
 
 

@@ -102,3 +102,10 @@ class Deployments(BaseModel):
             "for ModelReplica."
         ),
     )
+    EmbeddingReplica: DeploymentOptions = Field(
+        default_factory=DeploymentOptions,
+        description=(
+            "Embedding replicas (one deployment per EmbeddingConfig[] endpoint). Defaults: 1 "
+            "replica, num_cpus 1 (its torch threads: Ray sets them from num_cpus)."
+        ),
+    )

@@ -19,6 +19,7 @@ from serve_app.config.backend import (
     ScheduleConfig,
 )
 from serve_app.config.deployments import DeploymentOptions, Deployments
+from serve_app.config.embedding import EmbeddingConfig
 from serve_app.config.server import ServerConfig
 from serve_app.pydantic_errors import dotted, reword
 
@@ -36,6 +37,7 @@ _SECTIONS = {
         ModelDeployConfig,
         ModelConfig,
         ScheduleConfig,
+        EmbeddingConfig,
         Deployments,
         DeploymentOptions,
     )
@@ -43,7 +45,8 @@ _SECTIONS = {
 # Deployment sections are named after the deployment, not their class.
 _SECTIONS.update(
     dict.fromkeys(
-        ("Ingress", "TokenizerPool", "ModelReplica", "Prefill", "Decode"), DeploymentOptions
+        ("Ingress", "TokenizerPool", "ModelReplica", "Prefill", "Decode", "EmbeddingReplica"),
+        DeploymentOptions,
     )
 )
 

@@ -12,14 +12,26 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.config import AppConfig
-from serve_app.ingress import admin_routes, mindie_routes, openai_routes, triton_routes
+from serve_app.ingress import (
+    admin_routes,
+    databricks_routes,
+    mindie_routes,
+    openai_routes,
+    triton_routes,
+)
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.pipeline import Pipeline
 from serve_app.ingress.request_body import RequestBody, error_response
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
 
-ROUTERS = (admin_routes.router, mindie_routes.router, openai_routes.router, triton_routes.router)
+ROUTERS = (
+    admin_routes.router,
+    databricks_routes.router,
+    mindie_routes.router,
+    openai_routes.router,
+    triton_routes.router,
+)
 _HTTP_KINDS = {404: ErrorKind.NOT_FOUND, 413: ErrorKind.TOO_LARGE, 503: ErrorKind.UNAVAILABLE}
 
 
@@ -27,7 +39,8 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
     app = FastAPI(
         title="serve_app",
         description=(
-            "LLM inference on Ascend NPU clusters: MindIE, OpenAI-style and Triton generate APIs."
+            "LLM inference on Ascend NPU clusters: MindIE, OpenAI-style, Triton generate and "
+            "Databricks Foundation Model APIs."
         ),
         version="0.1.0",
     )

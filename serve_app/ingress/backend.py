@@ -1,4 +1,4 @@
-"""How the ingress reaches the tokenizer pool and the model replicas.
+"""How the ingress reaches the tokenizer pool, the model replicas and the embedding replicas.
 
 `RayBackend` calls Ray Serve deployment handles; `LocalBackend` calls the same plain classes in
 process, so route tests need no Ray. Closing the iterator returned by `generate` (leaving it
@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 from serve_app.messages import (
     DecodeRequest,
+    EmbedRequest,
+    EmbedResult,
     PrefillResult,
     Rejection,
     ReplicaChunk,
@@ -36,11 +38,14 @@ class Backend(Protocol):
         """Engine stats of the model's replicas that one call reaches (one per role)."""
         ...
 
+    async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection: ...
+
     async def ready(self) -> bool: ...
 
 
 class _Targets:
-    """The tokenizer pool and, per model name, the replicas of each role."""
+    """The tokenizer pool, per model name the replicas of each role, and per embedding
+    endpoint name its embedding replicas."""
 
     def __init__(
         self,
@@ -48,11 +53,13 @@ class _Targets:
         replicas: dict[str, Any],
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
+        embedding: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer_pool = tokenizer_pool
         self.replicas = replicas  # colocated (inferMode standard)
         self.prefill_replicas = prefill or {}
         self.decode_replicas = decode or {}
+        self.embedding_replicas = embedding or {}
 
     def replicas_of(self, model: str) -> list:
         groups = (self.replicas, self.prefill_replicas, self.decode_replicas)
@@ -60,7 +67,8 @@ class _Targets:
 
 
 class LocalBackend(_Targets):
-    """Plain TokenizerPool and ModelReplica objects in this process (tests, offline use)."""
+    """Plain TokenizerPool, ModelReplica and EmbeddingReplica objects in this process (tests,
+    offline use)."""
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
         return await self.tokenizer_pool.tokenize(req)
@@ -77,12 +85,16 @@ class LocalBackend(_Targets):
     async def stats(self, model: str) -> list[dict]:
         return [await replica.stats() for replica in self.replicas_of(model)]
 
+    async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection:
+        return await self.embedding_replicas[endpoint].embed(req)
+
     async def ready(self) -> bool:
         return True
 
 
 class RayBackend(_Targets):
-    """Ray Serve handles: one tokenizer pool, replica deployments per model name and role."""
+    """Ray Serve handles: one tokenizer pool, replica deployments per model name and role, an
+    embedding deployment per embedding endpoint."""
 
     def __init__(
         self,
@@ -91,8 +103,9 @@ class RayBackend(_Targets):
         app_name: str = "",
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
+        embedding: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(tokenizer_pool, replicas, prefill, decode)
+        super().__init__(tokenizer_pool, replicas, prefill, decode, embedding)
         self.app_name = app_name
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
 
@@ -119,8 +132,17 @@ class RayBackend(_Targets):
     async def stats(self, model: str) -> list[dict]:
         return [await replica.stats.remote() for replica in self.replicas_of(model)]
 
+    async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection:
+        response = self.embedding_replicas[endpoint].embed.remote(req)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()  # the client went away: leave the replica's next batch too
+            raise
+
     async def ready(self) -> bool:
-        """True once every model replica deployment is HEALTHY (all replicas loaded)."""
+        """True once every model and embedding replica deployment is HEALTHY (all replicas
+        loaded)."""
         from ray import serve
 
         try:

@@ -21,8 +21,11 @@ class Ingress:
         replicas: dict[str, dict[str, Any]],
         config: AppConfig,
         replica_deployments: list[str],
+        embedding: dict[str, Any] | None = None,
     ) -> None:
-        """replicas: role ("colocated", or "prefill" and "decode") -> model name -> handle."""
+        """replicas: role ("colocated", or "prefill" and "decode") -> model name -> handle.
+        embedding: embedding endpoint name -> handle. replica_deployments: the deployment
+        names whose health is readiness (model and embedding replicas)."""
         from ray import serve
 
         bind_process(config.serving_cores())  # off the cores an engine process is bound to
@@ -33,6 +36,7 @@ class Ingress:
             serve.get_replica_context().app_name,
             prefill=replicas.get("prefill"),
             decode=replicas.get("decode"),
+            embedding=embedding,
         )
         self.backend.replica_deployments = list(replica_deployments)
 

@@ -1,4 +1,5 @@
-"""Routes of the OpenAI-shaped family: POST /v1/chat/completions and /v1/completions.
+"""Routes of the OpenAI-shaped family: POST /v1/chat/completions, /v1/completions and
+/v1/embeddings (an embedding endpoint named in `model`).
 
 Each route: translate (the request's ranges, then its cross-rules and PD refusals, so bad input
 costs no model work; then the tokenizer pool), then either collect the replica's chunks into one
@@ -15,7 +16,9 @@ from fastapi import APIRouter, Depends
 
 from serve_app.ingress import sse
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
-from serve_app.messages import ReplicaChunk
+from serve_app.messages import ErrorKind, ReplicaChunk
+from serve_app.protocol.embeddings import EmbeddingRequest, embedding_response
+from serve_app.protocol.errors import APIError
 from serve_app.protocol.openai_chat import ChatCompletionRequest, ChatStream, chat_response
 from serve_app.protocol.openai_completions import (
     CompletionRequest,
@@ -60,3 +63,18 @@ async def completions(body: CompletionRequest, p: Pipeline = Depends(pipeline_of
         )
     stream = CompletionStream(req.request_id, created, model, num_prompt, logprobs)
     return sse.sse_response(sse.rendered(chunks, stream.events, "openai", done=True))
+
+
+@router.post("/v1/embeddings")
+async def v1_embeddings(body: EmbeddingRequest, p: Pipeline = Depends(pipeline_of)):
+    """Embed one input or a batch on an embedding endpoint (its name in `model`)."""
+    if body.model is None:
+        raise APIError(ErrorKind.VALIDATION, "model is required: the embedding endpoint", "model")
+    return await embeddings(body, body.model, p)
+
+
+async def embeddings(body: EmbeddingRequest, endpoint: str, p: Pipeline) -> dict:
+    """The embeddings task, shared with the Databricks routes."""
+    result = await p.embed(endpoint, body.embed_request())
+    body.check_dimensions(len(result.vectors[0]))
+    return embedding_response(p.new_request_id("embd"), endpoint, result, body.encoding_format)

@@ -5,7 +5,8 @@
 `Pipeline.generate` iterates the model replica's chunks while watching three ways to end early:
 the request's own `timeout`, a stopInfer for its id, and the client going away (the task is
 cancelled). Leaving early closes the replica stream, which aborts the request there and frees
-its KV blocks. Metrics are observed here, once for every family.
+its KV blocks. `Pipeline.embed` sends texts to an embedding endpoint's replica. Metrics are
+observed here, once for every family.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from serve_app.ingress.backend import Backend
 from serve_app.ingress.metrics import Metrics
 from serve_app.messages import (
     ChoiceDelta,
+    EmbedRequest,
+    EmbedResult,
     ErrorKind,
     Rejection,
     ReplicaChunk,
@@ -91,6 +94,7 @@ class Pipeline:
         self.backend = backend
         self.model_names = config.model_names
         self.default_model = self.model_names[0]
+        self.embedding_names = config.embedding_names
         # Model-independent limits for the protocol layer (output caps and defaults); the
         # tokenizer pool applies the full rules with each model's max_position_embeddings.
         self.defaults = ServerDefaults(config.token_limits(), config.pd_mode)
@@ -208,12 +212,54 @@ class Pipeline:
                 model, outcome, start, loop.time(), first_token_at, num_prompt, num_tokens
             )
 
-    async def collect(self, model: str, req: ReplicaRequest, stop_key: str | None = None):
-        """Non-stream: every chunk folded into one (text, ids, logprobs and steps concatenated)."""
+    async def collect(
+        self,
+        model: str,
+        req: ReplicaRequest,
+        stop_key: str | None = None,
+        partial_on_timeout: bool = False,
+    ) -> ReplicaChunk:
+        """Non-stream: every chunk folded into one (text, ids, logprobs and steps concatenated).
+        partial_on_timeout: a timeout returns what came so far (`finished` stays False)."""
         merged = ReplicaChunk(request_id=req.request_id)
-        async for chunk in self.generate(model, req, stop_key):
-            merged.absorb(chunk)
+        try:
+            async for chunk in self.generate(model, req, stop_key):
+                merged.absorb(chunk)
+        except APIError as exc:
+            if not (partial_on_timeout and exc.kind == ErrorKind.TIMEOUT):
+                raise
         return merged
+
+    # -- embeddings -------------------------------------------------------------------------
+
+    async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult:
+        """The endpoint's vectors for req.texts, in order. APIError: an unknown endpoint (404,
+        naming the served ones), an input refused by the replica (400 naming `input[i]`), a
+        failed forward pass (500)."""
+        if endpoint not in self.embedding_names:
+            served = ", ".join(self.embedding_names) or "none (EmbeddingConfig is empty)"
+            raise APIError(
+                ErrorKind.NOT_FOUND,
+                f"embedding endpoint {endpoint!r} is not served here; served embedding "
+                f"endpoints: {served}",
+                "model",
+            )
+        m, start = self.metrics, time.monotonic()
+        m.received.labels(endpoint).inc()
+        try:
+            result = await self.backend.embed(endpoint, req)
+        except BaseException:  # the replica died, the client went away
+            m.failed.labels(endpoint).inc()
+            raise
+        if isinstance(result, Rejection):
+            m.failed.labels(endpoint).inc()
+            raise APIError.of(result)
+        num_tokens = sum(result.num_tokens)
+        m.success.labels(endpoint).inc()
+        m.prompt_tokens.labels(endpoint).inc(num_tokens)
+        m.request_prompt_tokens.labels(endpoint).observe(num_tokens)
+        m.e2e.labels(endpoint).observe(time.monotonic() - start)
+        return result
 
     def _observe(self, model, outcome, start, end, first_token_at, num_prompt, num_tokens) -> None:
         m = self.metrics

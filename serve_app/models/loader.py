@@ -7,23 +7,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.models import smollm2
+from serve_app.models import minilm, smollm2
 from serve_app.models.demo import DEMO_VARIANTS, ensure_demo_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-# modelWeightPath names of the built-in models, built into the model cache on first use
-BUILT_IN = (smollm2.NAME, *DEMO_VARIANTS)
+# modelWeightPath names of the built-in models: the generative ones are built into the model
+# cache on first use; the embedding model is read from its installed package as it is
+BUILT_IN = (smollm2.NAME, *DEMO_VARIANTS, minilm.NAME)
 
 
 def resolve_model_path(model_weight_path: str) -> Path:
-    """The cached build of a built-in model; otherwise a folder holding config.json."""
+    """The folder of a built-in model (built into the cache first if need be); otherwise a
+    folder holding config.json."""
     if model_weight_path in DEMO_VARIANTS:
         return ensure_demo_model(model_weight_path)
     if model_weight_path == smollm2.NAME:
         return smollm2.ensure()
+    if model_weight_path == minilm.NAME:
+        return minilm.path()
     path = Path(model_weight_path).expanduser()
     if not (path / "config.json").is_file():
         problem = "has no config.json" if path.is_dir() else "does not exist"

@@ -16,7 +16,7 @@ from typing import Literal
 from serve_app.messages import ErrorKind, Rejection
 from serve_app.pydantic_errors import dotted, reword
 
-Family = Literal["mindie", "openai", "triton"]
+Family = Literal["mindie", "openai", "triton", "databricks"]
 K = ErrorKind
 
 
@@ -25,17 +25,36 @@ class _Envelope:
     mindie: tuple[int, str]  # status, error_type
     openai: tuple[int, str]  # status, error.type
     triton: int  # status
+    databricks: tuple[int, str]  # status, error_code (the SDK maps both onto its exceptions)
 
 
 _ENVELOPES: dict[ErrorKind, _Envelope] = {
-    K.VALIDATION: _Envelope((422, "Input Validation Error"), (400, "BadRequestError"), 400),
-    K.UNSUPPORTED: _Envelope((422, "Input Validation Error"), (400, "BadRequestError"), 400),
-    K.NOT_FOUND: _Envelope((404, "NotFoundError"), (404, "NotFoundError"), 404),
-    K.REJECTED: _Envelope((424, "Generation Error"), (400, "BadRequestError"), 400),
-    K.ENGINE: _Envelope((500, "Incomplete Generation"), (500, "InternalServerError"), 500),
-    K.TIMEOUT: _Envelope((500, "Incomplete Generation"), (500, "InternalServerError"), 500),
-    K.UNAVAILABLE: _Envelope((503, "Service Unavailable"), (503, "ServiceUnavailableError"), 503),
-    K.TOO_LARGE: _Envelope((413, "Payload Too Large"), (413, "BadRequestError"), 413),
+    K.VALIDATION: _Envelope(
+        (422, "Input Validation Error"), (400, "BadRequestError"), 400, (400, "BAD_REQUEST")
+    ),
+    K.UNSUPPORTED: _Envelope(
+        (422, "Input Validation Error"), (400, "BadRequestError"), 400, (400, "BAD_REQUEST")
+    ),
+    K.NOT_FOUND: _Envelope(
+        (404, "NotFoundError"), (404, "NotFoundError"), 404, (404, "RESOURCE_DOES_NOT_EXIST")
+    ),
+    K.REJECTED: _Envelope(
+        (424, "Generation Error"), (400, "BadRequestError"), 400, (400, "BAD_REQUEST")
+    ),
+    K.ENGINE: _Envelope(
+        (500, "Incomplete Generation"), (500, "InternalServerError"), 500, (500, "INTERNAL_ERROR")
+    ),
+    K.TIMEOUT: _Envelope(
+        (500, "Incomplete Generation"), (500, "InternalServerError"), 500,
+        (504, "DEADLINE_EXCEEDED"),
+    ),  # fmt: skip
+    K.UNAVAILABLE: _Envelope(
+        (503, "Service Unavailable"), (503, "ServiceUnavailableError"), 503,
+        (503, "TEMPORARILY_UNAVAILABLE"),
+    ),  # fmt: skip
+    K.TOO_LARGE: _Envelope(
+        (413, "Payload Too Large"), (413, "BadRequestError"), 413, (413, "BAD_REQUEST")
+    ),
 }
 # MindIE words a timeout that fails the request before its response starts as an engine callback
 # timeout, whoever noticed it; a stream that already answered 200 reports it in the replica's
@@ -61,6 +80,8 @@ class APIError(Exception):
         envelope = _ENVELOPES[self.kind]
         if family == "triton":
             return envelope.triton
+        if family == "databricks":
+            return envelope.databricks[0]
         return (envelope.mindie if family == "mindie" else envelope.openai)[0]
 
     def body(self, family: Family, in_stream: bool = False) -> dict:
@@ -76,6 +97,8 @@ class APIError(Exception):
             status, kind = envelope.openai
             error = {"message": self.message, "type": kind, "param": self.param, "code": status}
             return {"error": error}
+        if family == "databricks":
+            return {"error_code": envelope.databricks[1], "message": self.message}
         return {"error": self.message}
 
 
@@ -85,9 +108,15 @@ def invalid(param: str, rule: str) -> APIError:
 
 
 def family_for_path(path: str) -> Family:
-    """Which envelope a route's errors use: /v1/* OpenAI, /v2/* Triton, the rest MindIE."""
+    """Which envelope a route's errors use: /v1/* and the OpenAI-compatible paths under
+    /serving-endpoints/ OpenAI; /serving-endpoints/{name}/invocations and /api/2.0/* Databricks;
+    /v2/* Triton; the rest MindIE."""
     if path.startswith("/v1/"):
         return "openai"
+    if path.startswith("/api/2.0/") or path.startswith("/.well-known/"):
+        return "databricks"
+    if path.startswith("/serving-endpoints/"):
+        return "databricks" if path.rstrip("/").endswith("/invocations") else "openai"
     # stopInfer and the readiness routes are MindIE management routes under /v2
     if path.startswith("/v2/") and path.endswith(("/generate", "/generate_stream")):
         return "triton"

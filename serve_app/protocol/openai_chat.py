@@ -9,6 +9,7 @@ renderers of the response and of the stream chunks. Finish reasons are MindIE's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
@@ -210,15 +211,16 @@ def chat_logprobs(logprobs: list[TokenLogprobText] | None) -> dict:
 
 def chat_response(
     request_id: str, created: int, model: str, chunk: ReplicaChunk, prompt_tokens: int,
-    want_logprobs: bool,
+    want_logprobs: bool, finish: Callable[[str | None], str | None] = mindie_finish,
 ) -> dict:  # fmt: skip
-    """The non-stream body (logprobs added only when asked)."""
+    """The non-stream body (logprobs added only when asked); `finish` words the finish reason
+    (MindIE's here, OpenAI's for the Databricks family)."""
     choices = []
     for c in chunk.choices:
         choice: dict = {"index": c.index, "message": {"role": "assistant", "content": c.text}}
         if want_logprobs:
             choice["logprobs"] = chat_logprobs(c.logprobs)
-        choice["finish_reason"] = mindie_finish(c.finish_reason)
+        choice["finish_reason"] = finish(c.finish_reason)
         choices.append(choice)
     completion_tokens = sum(c.num_output_tokens for c in chunk.choices)
     return {
@@ -238,7 +240,9 @@ class ChatStream:
     def __init__(
         self, request_id: str, created: int, model: str, prompt_tokens: int,
         want_logprobs: bool, include_usage: bool,
+        finish: Callable[[str | None], str | None] = mindie_finish,
     ) -> None:  # fmt: skip
+        self.finish = finish
         self.head = {"id": request_id, "object": "chat.completion.chunk", "created": created}
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -263,7 +267,7 @@ class ChatStream:
             if delta.text or (self.want_logprobs and delta.logprobs):
                 out.append(self._chunk(delta, {"role": "assistant", "content": delta.text}, None))
             if delta.finish_reason is not None:
-                out.append(self._chunk(delta, {}, mindie_finish(delta.finish_reason)))
+                out.append(self._chunk(delta, {}, self.finish(delta.finish_reason)))
         if chunk.finished and self.include_usage:
             tokens = sum(self.num_tokens.values())
             out.append(

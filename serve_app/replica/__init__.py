@@ -5,4 +5,7 @@ the tokenizer pool) and sends a `ReplicaRequest` here; the replica runs it throu
 `AsyncEngine`, detokenizes incrementally and applies stop strings next to the engine (so a stop
 string ends generation at the exact step), and streams `ReplicaChunk`s back to the ingress. Like
 every deployment, `ModelReplica` is a plain class; only the app builder decorates and binds it.
+
+`EmbeddingReplica` (embedding_replica.py) is the embedding endpoints' deployment: an encoder on
+CPU that answers an `EmbedRequest` with vectors, gathering concurrent requests into one pass.
 """

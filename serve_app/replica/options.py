@@ -130,3 +130,15 @@ def ingress_options(config: AppConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": 0},
     }
     return _merge(defaults, config.Deployments.Ingress)
+
+
+def embedding_replica_options(config: AppConfig) -> dict[str, Any]:
+    """Options of an embedding deployment (any EmbeddingConfig[] item): one CPU by default,
+    which Ray turns into the encoder's torch threads; Deployments.EmbeddingReplica over it."""
+    defaults = {
+        "num_replicas": 1,
+        # Requests wait in the replica's micro-batcher, where concurrent ones share a pass.
+        "max_ongoing_requests": config.ServerConfig.maxLinkNum,
+        "ray_actor_options": {"num_cpus": 1},
+    }
+    return _merge(defaults, config.Deployments.EmbeddingReplica)

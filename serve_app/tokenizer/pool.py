@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from serve_app.config import AppConfig
@@ -19,6 +19,7 @@ from serve_app.engine.cpus import bind_process
 from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest, text_of
 from serve_app.models.loader import load_tokenizer, resolve_model_path
 from serve_app.tokenizer.limits import TokenLimitError, TokenLimits
+from serve_app.tokenizer.tools import with_tools
 
 
 @dataclass(slots=True)
@@ -134,7 +135,16 @@ def _encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> list[
 
 def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
     tokenizer, limits = served.tokenizer, served.limits
-    if req.kind in ("completion", "text"):
+    if req.truncate and not limits.truncation:
+        limits = replace(limits, truncation=True)
+    if req.kind == "templated" and getattr(tokenizer, "chat_template", None):
+        if not isinstance(req.text, str):
+            raise _Refused(req.param, f"{req.param} must be a string")
+        text = _render(tokenizer, [{"role": "user", "content": req.text}], req.param)
+        ids = _encode(tokenizer, text, req.param, False)
+        kept = limits.check_completion_prompt(ids, req.param)
+        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
+    if req.kind in ("completion", "text", "templated"):
         if not isinstance(req.text, str):
             raise _Refused(req.param, f"{req.param} must be a string")
         ids = _encode(tokenizer, req.text, req.param, req.add_special_tokens)
@@ -142,14 +152,8 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids))
     if req.kind == "chat":
         param = "messages" if req.param == "prompt" else req.param
-        messages = _chat_messages(req.messages, param)
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # jinja errors, raise_exception() in templates, no template
-            message = f"{param} could not be rendered by the chat template: {exc}"
-            raise _Refused(param, message) from exc
+        messages, extra = with_tools(tokenizer, _chat_messages(req.messages, param), req.tools)
+        text = _render(tokenizer, messages, param, **extra)
         ids = _encode(tokenizer, text, param, False)
         kept = limits.check_chat_prompt(ids, param)
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
@@ -159,6 +163,17 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
         kept = limits.check_token_ids(req.token_ids, req.param)
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(req.token_ids))
     raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", ErrorKind.UNSUPPORTED)
+
+
+def _render(tokenizer, messages: list[dict], param: str, **extra) -> str:
+    """The chat template's text for these messages, ready for the assistant's turn."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **extra
+        )
+    except Exception as exc:  # jinja errors, raise_exception() in templates, no template
+        message = f"{param} could not be rendered by the chat template: {exc}"
+        raise _Refused(param, message) from exc
 
 
 def _chat_messages(messages: Any, param: str) -> list[dict]:

@@ -21,23 +21,32 @@ ROUTE_TEST_CONFIG = {
             "cacheBlockSize": 16,
             "kvCacheBlocks": 256,
         },
-    }
+    },
+    "EmbeddingConfig": [{"endpointName": "minilm", "modelWeightPath": "all-minilm-l6-v2"}],
 }
 
 
 @pytest.fixture(scope="session")
 def route_app():
-    from serve_app.ingress.app import create_app
-    from serve_app.ingress.backend import LocalBackend
-    from serve_app.replica.model_replica import ModelReplica
-    from serve_app.tokenizer.pool import TokenizerPool
-
-    config = load_config(ROUTE_TEST_CONFIG)
-    replica = ModelReplica(config)
-    app = create_app(config, LocalBackend(TokenizerPool(config), {"demo": replica}))
+    app, replica = local_app(ROUTE_TEST_CONFIG)
     app.state.replica = replica  # tests read engine stats (KV blocks) through it
     yield app
     replica.shutdown()
+
+
+def local_app(args: dict):
+    """(the FastAPI app over plain objects, its model replica) for these application args."""
+    from serve_app.ingress.app import create_app
+    from serve_app.ingress.backend import LocalBackend
+    from serve_app.replica.embedding_replica import EmbeddingReplica
+    from serve_app.replica.model_replica import ModelReplica
+    from serve_app.tokenizer.pool import TokenizerPool
+
+    config = load_config(args)
+    replica = ModelReplica(config)
+    embedding = {name: EmbeddingReplica(config, i) for i, name in enumerate(config.embedding_names)}
+    backend = LocalBackend(TokenizerPool(config), {"demo": replica}, embedding=embedding)
+    return create_app(config, backend), replica
 
 
 @pytest.fixture(scope="session")
@@ -63,3 +72,29 @@ def kv_idle(client):
         return False
 
     return check
+
+
+@pytest.fixture(scope="session")
+def live_url():
+    """The app (its own replicas) served over a real socket on 127.0.0.1, for clients that do
+    not speak httpx (the databricks-sdk uses requests)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    app, replica = local_app(ROUTE_TEST_CONFIG)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    replica.shutdown()

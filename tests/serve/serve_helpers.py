@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+EMBEDDING_ENDPOINT = "all-minilm-l6-v2"
 SERVE_TEST_ARGS = {
     "BackendConfig": {
         "tokenizerProcessNumber": 1,
@@ -26,6 +27,11 @@ SERVE_TEST_ARGS = {
             "kvCacheBlocks": 256,
         },
     },
+    # the built-in all-MiniLM-L6-v2 as an embedding endpoint (its own CPU deployment), so the
+    # embedding routes can be tested over Ray; readiness waits for it too
+    "EmbeddingConfig": [
+        {"endpointName": EMBEDDING_ENDPOINT, "modelWeightPath": "all-minilm-l6-v2"}
+    ],
 }
 
 PD_MAX_ITER = 64

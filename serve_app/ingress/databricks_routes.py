@@ -1,0 +1,242 @@
+"""Routes of the Databricks Foundation Model API family (docs/apis.md#databricks-foundation-
+model-apis).
+
+- `POST /serving-endpoints/{name}/invocations`: the task follows the body (messages -> chat,
+  prompt -> completions, input -> embeddings); errors in Databricks' `{"error_code", "message"}`.
+- `POST /serving-endpoints/chat/completions`, `/serving-endpoints/completions` and
+  `/serving-endpoints/embeddings` (the endpoint in `model`), so that
+  `OpenAI(base_url=".../serving-endpoints")` works; errors in OpenAI's shape.
+- `GET /api/2.0/serving-endpoints[/{name}]`: the endpoints, one per served model and one per
+  embedding endpoint.
+- `GET /.well-known/databricks-config`: what the databricks-sdk asks first; nothing to discover.
+
+Each task is parse -> translate -> pipeline -> render like every family; a completion batch is
+translated and run as one engine request per prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from serve_app.ingress import sse
+from serve_app.ingress.openai_routes import embeddings
+from serve_app.ingress.pipeline import Pipeline, pipeline_of
+from serve_app.messages import ErrorKind, ReplicaChunk
+from serve_app.protocol.databricks_chat import DatabricksChatRequest
+from serve_app.protocol.databricks_common import CHAT_TASK, EMBEDDINGS_TASK, endpoint
+from serve_app.protocol.databricks_completions import (
+    CompletionRenderer,
+    DatabricksCompletionRequest,
+)
+from serve_app.protocol.embeddings import EmbeddingRequest
+from serve_app.protocol.errors import APIError, Family, from_validation_errors
+from serve_app.protocol.openai_chat import ChatStream, chat_response
+from serve_app.protocol.sampling import openai_finish
+from serve_app.protocol.tool_calls import ToolCallStream, with_tool_calls
+
+router = APIRouter(tags=["databricks"])
+_M = TypeVar("_M", bound=BaseModel)
+_TASKS = "messages (chat), prompt (completions) or input (embeddings)"
+
+
+@router.get("/.well-known/databricks-config")
+async def databricks_config() -> dict:
+    """The databricks-sdk's discovery probe: no OAuth here, tokens are plain Bearer strings."""
+    return {"oidc_endpoint": ""}
+
+
+@router.get("/api/2.0/serving-endpoints")
+async def list_endpoints(p: Pipeline = Depends(pipeline_of)) -> dict:
+    ready = await p.backend.ready()
+    return {"endpoints": [endpoint(n, task, p.created, ready) for n, task in _endpoints(p)]}
+
+
+@router.get("/api/2.0/serving-endpoints/{name}")
+async def get_endpoint(name: str, p: Pipeline = Depends(pipeline_of)) -> dict:
+    tasks = dict(_endpoints(p))
+    if name not in tasks:
+        raise _no_endpoint(p, name)
+    return endpoint(name, tasks[name], p.created, await p.backend.ready())
+
+
+@router.post("/serving-endpoints/{name}/invocations")
+async def invocations(name: str, request: Request, p: Pipeline = Depends(pipeline_of)):
+    """One endpoint, the task chosen by the body's fields."""
+    if name not in dict(_endpoints(p)):
+        raise _no_endpoint(p, name)
+    body = await _json_object(request)
+    if name in p.embedding_names:
+        if "input" not in body:
+            raise APIError(
+                ErrorKind.VALIDATION, f"body must have input: {name!r} is an embedding endpoint",
+                "input",
+            )  # fmt: skip
+        return await embeddings(_parse(EmbeddingRequest, body), name, p)
+    if "messages" in body:
+        return await chat(_parse(DatabricksChatRequest, body), name, p, "databricks")
+    if "prompt" in body:
+        return await completions(_parse(DatabricksCompletionRequest, body), name, p, "databricks")
+    if "input" in body:
+        raise APIError(
+            ErrorKind.VALIDATION,
+            f"input is for embedding endpoints; {name!r} takes messages (chat) or prompt "
+            "(completions)",
+            "input",
+        )
+    raise APIError(ErrorKind.VALIDATION, f"body must have {_TASKS}", "body")
+
+
+@router.post("/serving-endpoints/chat/completions")
+async def openai_chat(body: DatabricksChatRequest, p: Pipeline = Depends(pipeline_of)):
+    return await chat(body, p.check_model(_named(body.model)), p, "openai")
+
+
+@router.post("/serving-endpoints/embeddings")
+async def openai_embeddings(body: EmbeddingRequest, p: Pipeline = Depends(pipeline_of)):
+    return await embeddings(body, _named(body.model), p)
+
+
+@router.post("/serving-endpoints/completions")
+async def openai_completions(
+    body: DatabricksCompletionRequest, p: Pipeline = Depends(pipeline_of)
+):  # fmt: skip
+    return await completions(body, p.check_model(_named(body.model)), p, "openai")
+
+
+# -- the tasks ------------------------------------------------------------------------------
+
+
+async def chat(body: DatabricksChatRequest, model: str, p: Pipeline, family: Family):
+    req, prompt = await p.translate(body, model, "chatcmpl")
+    created, logprobs, num_prompt = int(time.time()), bool(body.logprobs), prompt.num_prompt_tokens
+    names = body.tool_names
+    if not body.stream:
+        chunk = await p.collect(model, req)
+        response = chat_response(
+            req.request_id, created, model, chunk, num_prompt, logprobs, finish=openai_finish
+        )
+        return response if names is None else with_tool_calls(response, names)
+    chunks = await sse.peek(p.generate(model, req))
+    stream = ChatStream(
+        req.request_id, created, model, num_prompt, logprobs, body.include_usage, openai_finish
+    )
+    events = stream.events if names is None else ToolCallStream(stream.events, names).events
+    return sse.sse_response(sse.rendered(chunks, events, family, done=True))
+
+
+async def completions(body: DatabricksCompletionRequest, model: str, p: Pipeline, family: Family):
+    body.check(p.defaults.pd_mode)
+    translated = await _all(p.translate(one, model, "cmpl") for one in body.per_prompt())
+    reqs = [req for req, _ in translated]
+    render = CompletionRenderer(body, p.new_request_id("cmpl"), int(time.time()), model)
+    if not body.stream:
+        folded = await _all(p.collect(model, r, partial_on_timeout=body.truncate) for r in reqs)
+        return render.response(folded)
+    streams = [_until_timeout(p.generate(model, r), body.truncate) for r in reqs]
+    items = await sse.peek(_merged(streams))
+
+    def events(item: tuple[int | None, ReplicaChunk | None]) -> list[dict]:
+        prompt, chunk = item
+        if prompt is None:
+            return [render.usage_event()] if body.include_usage else []
+        if chunk is None:  # timed out under error_behavior "truncate"
+            return render.timeout_events(prompt)
+        return render.events(prompt, chunk)
+
+    return sse.sse_response(sse.rendered(items, events, family, done=True))
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _endpoints(p: Pipeline) -> list[tuple[str, str]]:
+    """(endpoint name, task): a chat endpoint per served model (it completes prompts too),
+    then the embedding endpoints."""
+    return [(name, CHAT_TASK) for name in p.model_names] + [
+        (name, EMBEDDINGS_TASK) for name in p.embedding_names
+    ]
+
+
+def _no_endpoint(p: Pipeline, name: str) -> APIError:
+    served = ", ".join(n for n, _ in _endpoints(p))
+    return APIError(
+        ErrorKind.NOT_FOUND, f"endpoint {name!r} does not exist; endpoints: {served}", "name"
+    )
+
+
+def _named(model: str | None) -> str:
+    if model is None:
+        raise APIError(ErrorKind.VALIDATION, "model is required: the endpoint name", "model")
+    return model
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise APIError(ErrorKind.VALIDATION, f"body is not valid JSON: {exc}", "body") from None
+    if not isinstance(body, dict):
+        raise APIError(ErrorKind.VALIDATION, "body must be a JSON object", "body")
+    return body
+
+
+def _parse(model: type[_M], body: dict) -> _M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(list(exc.errors()), prefix_skip=()) from None
+
+
+async def _all(awaitables) -> list:
+    """Every awaitable's result, in order; the first failure cancels the others (each one's
+    replica stream is then closed, so no KV block outlives the request)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _until_timeout(
+    chunks: AsyncIterator[ReplicaChunk], truncate: bool
+) -> AsyncIterator[ReplicaChunk | None]:
+    """The chunks; with error_behavior "truncate" a timeout ends them with None instead."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as exc:
+        if not truncate or exc.kind != ErrorKind.TIMEOUT:
+            raise
+        yield None
+    finally:
+        await chunks.aclose()
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int | None, object]]:
+    """(stream index, item) as the streams produce them, then (None, None) when all ended."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, item
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+        yield None, None
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

@@ -1,0 +1,259 @@
+"""The Databricks family over HTTP in process: /serving-endpoints/{name}/invocations for chat and
+completions, the OpenAI-compatible paths under /serving-endpoints/, the endpoint listing, and
+errors in each path's shape."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+INVOKE = "/serving-endpoints/demo/invocations"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _events(response) -> list:
+    lines = [line for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_endpoints_are_listed_in_databricks_shape(client):
+    listed = client.get("/api/2.0/serving-endpoints").json()["endpoints"]
+    assert [(e["name"], e["task"], e["state"]["ready"]) for e in listed] == [
+        ("demo", "llm/v1/chat", "READY"), ("minilm", "llm/v1/embeddings", "READY")
+    ]  # fmt: skip
+    assert client.get("/api/2.0/serving-endpoints/demo").json()["name"] == "demo"
+    missing = client.get("/api/2.0/serving-endpoints/nope")
+    assert missing.status_code == 404
+    assert missing.json() == {
+        "error_code": "RESOURCE_DOES_NOT_EXIST",
+        "message": "endpoint 'nope' does not exist; endpoints: demo, minilm",
+    }
+
+
+def test_chat_invocation(client, kv_idle):
+    r = client.post(INVOKE, json={"messages": HI, "max_tokens": 4})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    # sampled (temperature 1 by default): the random model may end early with its EOS
+    finished = {"length": 4, "stop": body["usage"]["completion_tokens"]}
+    assert body["usage"]["completion_tokens"] == finished[choice["finish_reason"]] <= 4
+    assert body["usage"]["prompt_tokens"] == 9
+    # temperature 0 and top_k 1 are both greedy: the same reply
+    greedy = [
+        client.post(INVOKE, json={"messages": HI, "max_tokens": 6, **extra}).json()
+        for extra in ({"temperature": 0}, {"top_k": 1}, {"temperature": 0})
+    ]
+    texts = {g["choices"][0]["message"]["content"] for g in greedy}
+    assert len(texts) == 1
+    assert kv_idle()
+
+
+def test_chat_stream_and_usage(client, kv_idle):
+    r = client.post(
+        INVOKE,
+        json={"messages": HI, "max_tokens": 4, "n": 2, "stream": True, "temperature": 0,
+              "stream_options": {"include_usage": True}},
+    )  # fmt: skip
+    events = _events(r)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    firsts = {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        firsts.setdefault(choice["index"], choice)
+    assert all(c["delta"]["role"] == "assistant" for c in firsts.values())
+    finishes = [e["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finishes.count("length") == 2 and finishes[-1] == "length"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+    assert kv_idle()
+
+
+def test_chat_logprobs(client):
+    body = client.post(
+        INVOKE, json={"messages": HI, "max_tokens": 3, "logprobs": True, "top_logprobs": 20}
+    ).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(t["top_logprobs"]) == 20 for t in content)
+    r = client.post(INVOKE, json={"messages": HI, "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and "top_logprobs must be in [0, 20], got 21" in r.text
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+         "messages[1].role system can only be the first message"),
+        ([{"role": "tool", "content": "42"}], "messages[0].tool_call_id is required"),
+        ([{"role": "user", "content": "a", "tool_call_id": "x"}],
+         "messages[0].tool_call_id must be empty when role is user"),
+        ([{"role": "user", "content": "a",
+           "tool_calls": [{"id": "1", "type": "function",
+                           "function": {"name": "f", "arguments": "{}"}}]}],
+         "messages[0].tool_calls can only be set when role is assistant"),
+        ([{"role": "assistant"}], "messages[0].content is required for a assistant message"),
+        ([], "messages must be a non-empty list of messages"),
+    ],
+)  # fmt: skip
+def test_chat_message_rules(client, messages, message):
+    r = client.post(INVOKE, json={"messages": messages})
+    assert r.status_code == 400
+    assert r.json()["error_code"] == "BAD_REQUEST" and message in r.json()["message"]
+
+
+def test_assistant_tool_calls_and_tool_results_reach_the_template(client):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
+    ]
+    r = client.post(INVOKE, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"temperature": 2.5}, "temperature must be in [0.0, 2.0], got 2.5"),
+        ({"top_p": 0}, "top_p must be in (0.0, 1.0], got 0"),
+        ({"top_k": 0}, "top_k must be in (0, 2147483647], got 0"),
+        ({"max_tokens": 0}, "max_tokens must be in (0, 2147483647], got 0"),
+        ({"n": 0}, "n must be in [1, 128], got 0"),
+        ({"reasoning_effort": "high"}, "reasoning_effort is only accepted by reasoning models"),
+        ({"stream_options": {"include_usage": True}}, "stream_options can only be set when"),
+    ],
+)  # fmt: skip
+def test_out_of_range_is_400_naming_the_parameter(client, extra, message):
+    r = client.post(INVOKE, json={"messages": HI, **extra})
+    assert r.status_code == 400 and r.json()["error_code"] == "BAD_REQUEST"
+    assert message in r.json()["message"]
+    r = client.post(INVOKE, json={"prompt": "x", **extra})
+    assert r.status_code == 400 and message in r.json()["message"]
+
+
+def test_invocation_errors(client):
+    r = client.post("/serving-endpoints/nope/invocations", json={"prompt": "x"})
+    assert r.status_code == 404 and r.json()["error_code"] == "RESOURCE_DOES_NOT_EXIST"
+    r = client.post(INVOKE, json={"text": "x"})
+    assert r.status_code == 400 and "body must have messages (chat), prompt" in r.text
+    r = client.post(INVOKE, content=b"{not json")
+    assert r.status_code == 400 and r.json()["message"].startswith("body is not valid JSON")
+    r = client.post(INVOKE, json=["prompt"])
+    assert r.json() == {"error_code": "BAD_REQUEST", "message": "body must be a JSON object"}
+
+
+def test_completions_batch_n_echo_suffix(client, kv_idle):
+    body = client.post(
+        INVOKE,
+        json={"prompt": ["one", "two words"], "max_tokens": 3, "n": 2, "echo": True,
+              "suffix": "<end>", "temperature": 0},
+    ).json()  # fmt: skip
+    assert body["object"] == "text_completion"
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[0]["text"].startswith("one") and choices[2]["text"].startswith("two words")
+    assert all(c["text"].endswith("<end>") and c["finish_reason"] == "length" for c in choices)
+    assert choices[0]["text"] == choices[1]["text"]  # greedy: n equal choices
+    assert body["usage"]["completion_tokens"] == 12
+    assert kv_idle()
+
+
+def test_completions_raw_prompt_skips_the_template(client):
+    def prompt_tokens(**extra) -> int:
+        r = client.post(INVOKE, json={"prompt": "hello", "max_tokens": 1, **extra})
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens(use_raw_prompt=True) == 1
+    assert prompt_tokens() > 1  # the chat template's tokens are counted
+
+
+def test_completions_stream_batch(client, kv_idle):
+    r = client.post(
+        INVOKE,
+        json={"prompt": ["a", "b"], "max_tokens": 3, "stream": True, "temperature": 0,
+              "stream_options": {"include_usage": True}},
+    )  # fmt: skip
+    events = _events(r)
+    texts: dict[int, str] = {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert sorted(texts) == [0, 1]
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    whole = client.post(
+        INVOKE, json={"prompt": ["a", "b"], "max_tokens": 3, "temperature": 0}
+    ).json()
+    assert [c["text"] for c in whole["choices"]] == [texts[0], texts[1]]
+    assert kv_idle()
+
+
+def test_completions_error_behavior_on_a_long_prompt(client):
+    long = "word " * 400  # over maxInputTokenLen (256)
+    r = client.post(INVOKE, json={"prompt": ["ok", long], "max_tokens": 2})
+    assert r.status_code == 400
+    assert r.json()["message"].startswith("prompt[1] must have between 1 and 256 tokens")
+    r = client.post(
+        INVOKE, json={"prompt": ["ok", long], "max_tokens": 2, "error_behavior": "truncate"}
+    )
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    r = client.post(INVOKE, json={"prompt": "x", "error_behavior": "ignore"})
+    assert r.status_code == 400 and "error_behavior" in r.json()["message"]
+
+
+def test_openai_compatible_paths(client, kv_idle):
+    oai = openai.OpenAI(
+        base_url="http://testserver/serving-endpoints", api_key="x", http_client=client
+    )
+    reply = oai.chat.completions.create(model="demo", messages=HI, max_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
+    stream = oai.chat.completions.create(
+        model="demo", messages=HI, max_tokens=3, temperature=0, stream=True
+    )
+    assert [c.choices[0].finish_reason for c in stream][-1] == "length"
+    done = oai.completions.create(model="demo", prompt=["x", "y"], max_tokens=2)
+    assert len(done.choices) == 2
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="nope", messages=HI)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="demo", messages=HI, temperature=3)
+    assert info.value.body["param"] == "temperature"  # OpenAI's error shape on these paths
+    r = client.post("/serving-endpoints/completions", json={"prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert kv_idle()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {}}}},
+}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+         "response_format.type"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice"),
+    ],
+)  # fmt: skip
+def test_what_needs_constrained_decoding_is_refused_not_ignored(client, extra, param):
+    body = {"model": "demo", "messages": HI, **extra}
+    r = client.post("/serving-endpoints/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert "not supported yet" in r.json()["error"]["message"]
+
+
+def test_tools_auto_and_text_format_run(client, kv_idle):
+    for extra in ({"tools": TOOLS}, {"tools": TOOLS, "stream": True},
+                  {"response_format": {"type": "text"}}):  # fmt: skip
+        r = client.post(INVOKE, json={"messages": HI, "max_tokens": 3, **extra})
+        assert r.status_code == 200, r.text
+    assert kv_idle()
