@@ -21,7 +21,6 @@ from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError, invalid
 from serve_app.protocol.fields import STRICT, Stop
 from serve_app.protocol.openai_chat import MAX_MESSAGE_CHARS, Content
-from serve_app.protocol.openai_common import StreamOptions
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import sampling_params
 from serve_app.protocol.tool_calls import Tool, ToolChoice, check_tools, effective_choice
@@ -100,7 +99,6 @@ class DatabricksChatRequest(DatabricksSampling):
         description="system (once, first), user, assistant (content or tool_calls), tool."
     )
     stop: Stop = Field(None, description="A string or a list of strings that end the reply.")
-    stream_options: StreamOptions | None = None
     logprobs: bool | None = Field(False, description="Log-probability of each reply token.")
     top_logprobs: TopLogprobs = Field(
         None, description="[0, 20] alternatives per token; needs logprobs=true."
@@ -145,12 +143,6 @@ class DatabricksChatRequest(DatabricksSampling):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "can only be set when logprobs is true")
-        if self.stream_options is not None and not self.stream:
-            raise invalid("stream_options", "can only be set when stream is true")
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
     def tool_names(self) -> set[str] | None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import INT32_MAX, STRICT, Range
+from serve_app.protocol.openai_common import StreamOptions, StreamUsage
 
 Temperature = Annotated[float | None, Range(0.0, 2.0)]
 TopP = Annotated[float | None, Range(0.0, 1.0, low_open=True)]
@@ -31,7 +32,7 @@ COMPLETIONS_TASK = "llm/v1/completions"
 EMBEDDINGS_TASK = "llm/v1/embeddings"
 
 
-class DatabricksSampling(BaseModel):
+class DatabricksSampling(StreamUsage, BaseModel):
     """The sampling fields chat and completions share, with the seed's ranges and defaults."""
 
     model_config = STRICT
@@ -44,6 +45,7 @@ class DatabricksSampling(BaseModel):
         None, description="null (up to the model's limit) or > 0; at most maxIterTimes."
     )
     stream: bool | None = Field(False, description="Server-sent events, ending in [DONE].")
+    stream_options: StreamOptions | None = None
     temperature: Temperature = Field(None, description="[0.0, 2.0], default 1.0; 0 is greedy.")
     top_p: TopP = Field(None, description="(0.0, 1.0], default 1.0.")
     top_k: PositiveInt = Field(None, description="null (off) or > 0; 1 is deterministic.")
@@ -53,6 +55,7 @@ class DatabricksSampling(BaseModel):
     )
 
     def check_common(self) -> None:
+        self.check_stream_options()
         if self.reasoning_effort is not None:
             raise invalid(
                 "reasoning_effort",

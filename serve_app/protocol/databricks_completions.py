@@ -28,9 +28,8 @@ from serve_app.messages import (
 )
 from serve_app.protocol.databricks_common import DatabricksSampling
 from serve_app.protocol.defaults import ServerDefaults
-from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import Stop
-from serve_app.protocol.openai_common import StreamOptions, usage
+from serve_app.protocol.openai_common import usage
 from serve_app.protocol.openai_completions import MAX_PROMPT_CHARS
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import openai_finish, sampling_params
@@ -70,7 +69,6 @@ Prompts = Annotated[
 class DatabricksCompletionRequest(DatabricksSampling):
     prompt: Prompts = Field(description="A string or a list of strings (a batch).")
     stop: Stop = Field(None, description="A string or a list of strings that end a completion.")
-    stream_options: StreamOptions | None = None
     suffix: str = Field("", description="Appended to every completion.")
     echo: bool = Field(False, description="The prompt before each completion.")
     use_raw_prompt: bool = Field(False, description="true: no chat template around the prompt.")
@@ -81,12 +79,6 @@ class DatabricksCompletionRequest(DatabricksSampling):
     def check(self, pd_mode: bool) -> None:
         refuse_in_pd(pd_mode, {"stop": bool(self.stop), "n": (self.n or 1) > 1})
         self.check_common()
-        if self.stream_options is not None and not self.stream:
-            raise invalid("stream_options", "can only be set when stream is true")
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
     def truncate(self) -> bool:

@@ -35,6 +35,7 @@ from serve_app.protocol.openai_common import (
     RepetitionPenalty,
     Seed,
     StreamOptions,
+    StreamUsage,
     TopK,
     usage,
 )
@@ -91,7 +92,7 @@ def _messages(value: list[ChatMessage]) -> list[ChatMessage]:
     return value
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(StreamUsage, BaseModel):
     model_config = STRICT
 
     model: ModelName = Field(
@@ -150,12 +151,7 @@ class ChatCompletionRequest(BaseModel):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "can only be set when logprobs is true")
-        if self.stream_options is not None and not self.stream:
-            raise invalid("stream_options", "can only be set when stream is true")
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        self.check_stream_options()
 
     def tokenize_request(self, model: str) -> TokenizeRequest:
         messages = [m.model_dump(exclude_none=True) for m in self.messages]

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, PlainValidator, WithJsonSchema
 
+from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -47,6 +48,22 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(
         False, description="Chat: one more chunk before [DONE] with empty choices and usage."
     )
+
+
+class StreamUsage:
+    """What a request with `stream` and `stream_options` (a pydantic model) reads from them, the
+    same way in every OpenAI-shaped family."""
+
+    stream: bool | None
+    stream_options: StreamOptions | None
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "can only be set when stream is true")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
