@@ -3,9 +3,9 @@ model-apis).
 
 - `POST /serving-endpoints/{name}/invocations`: the task follows the body (messages -> chat,
   prompt -> completions, input -> embeddings); errors in Databricks' `{"error_code", "message"}`.
-- `POST /serving-endpoints/chat/completions`, `/serving-endpoints/completions` and
-  `/serving-endpoints/embeddings` (the endpoint in `model`), so that
-  `OpenAI(base_url=".../serving-endpoints")` works; errors in OpenAI's shape.
+- `POST /serving-endpoints/chat/completions`, `/serving-endpoints/completions`,
+  `/serving-endpoints/embeddings` and `/serving-endpoints/responses` (the endpoint in `model`),
+  so that `OpenAI(base_url=".../serving-endpoints")` works; errors in OpenAI's shape.
 - `GET /api/2.0/serving-endpoints[/{name}]`: the endpoints, one per served model and one per
   embedding endpoint.
 - `GET /.well-known/databricks-config`: what the databricks-sdk asks first; nothing to discover.
@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ValidationError
 
 from serve_app.ingress import sse
-from serve_app.ingress.openai_routes import embeddings
+from serve_app.ingress.openai_routes import embeddings, responses
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
 from serve_app.messages import ErrorKind, ReplicaChunk
 from serve_app.protocol.databricks_chat import DatabricksChatRequest
@@ -37,6 +37,7 @@ from serve_app.protocol.databricks_completions import (
 from serve_app.protocol.embeddings import EmbeddingRequest
 from serve_app.protocol.errors import APIError, Family, from_validation_errors
 from serve_app.protocol.openai_chat import ChatStream, chat_response
+from serve_app.protocol.responses import ResponsesRequest
 from serve_app.protocol.sampling import openai_finish
 from serve_app.protocol.tool_calls import ToolCallStream, with_tool_calls
 
@@ -100,6 +101,11 @@ async def openai_chat(body: DatabricksChatRequest, p: Pipeline = Depends(pipelin
 @router.post("/serving-endpoints/embeddings")
 async def openai_embeddings(body: EmbeddingRequest, p: Pipeline = Depends(pipeline_of)):
     return await embeddings(body, _named(body.model), p)
+
+
+@router.post("/serving-endpoints/responses")
+async def openai_responses(body: ResponsesRequest, p: Pipeline = Depends(pipeline_of)):
+    return await responses(body, p.check_model(_named(body.model)), p)
 
 
 @router.post("/serving-endpoints/completions")

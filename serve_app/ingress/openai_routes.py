@@ -1,5 +1,5 @@
-"""Routes of the OpenAI-shaped family: POST /v1/chat/completions, /v1/completions and
-/v1/embeddings (an embedding endpoint named in `model`).
+"""Routes of the OpenAI-shaped family: POST /v1/chat/completions, /v1/completions,
+/v1/embeddings (an embedding endpoint named in `model`) and /v1/responses.
 
 Each route: translate (the request's ranges, then its cross-rules and PD refusals, so bad input
 costs no model work; then the tokenizer pool), then either collect the replica's chunks into one
@@ -25,6 +25,8 @@ from serve_app.protocol.openai_completions import (
     CompletionStream,
     completion_response,
 )
+from serve_app.protocol.responses import ResponsesRequest
+from serve_app.protocol.responses_render import ResponseBuilder, ResponseStream, sse_event
 
 router = APIRouter(tags=["openai"])
 
@@ -78,3 +80,25 @@ async def embeddings(body: EmbeddingRequest, endpoint: str, p: Pipeline) -> dict
     result = await p.embed(endpoint, body.embed_request())
     body.check_dimensions(len(result.vectors[0]))
     return embedding_response(p.new_request_id("embd"), endpoint, result, body.encoding_format)
+
+
+@router.post("/v1/responses")
+async def v1_responses(body: ResponsesRequest, p: Pipeline = Depends(pipeline_of)):
+    """The Responses API: input items in, typed output items (and stream events) out."""
+    if body.model is None:
+        raise APIError(ErrorKind.VALIDATION, "model is required", "model")
+    return await responses(body, p.check_model(body.model), p)
+
+
+async def responses(body: ResponsesRequest, model: str, p: Pipeline):
+    """The Responses task, shared with the Databricks routes."""
+    req, prompt = await p.translate(body, model, "resp")
+    builder = ResponseBuilder(body, model, prompt.num_prompt_tokens)
+    if not body.stream:
+        return builder.response(await p.collect(model, req))
+    chunks = await sse.peek(p.generate(model, req))
+    stream = ResponseStream(builder)
+    events = sse.rendered(
+        chunks, stream.events, "openai", frame=sse_event, error_event=stream.error
+    )
+    return sse.sse_response(events)

@@ -55,18 +55,22 @@ async def rendered(
     render: Callable[[ReplicaChunk], list[dict]],
     family: Family,
     done: bool = False,
+    frame: Callable[[dict], str] = event,
+    error_event: Callable[[APIError], dict] | None = None,
 ) -> AsyncIterator[str]:
     """SSE text of each chunk's rendered payloads. A failure after the 200 can only travel in
-    the stream: it is the last event, in the family's error envelope (then `[DONE]` if the
-    family ends streams with it)."""
+    the stream: it is the last event, in the family's error envelope or as `error_event` makes
+    it (then `[DONE]` if the family ends streams with it). `frame`: how a payload is written
+    (the Responses API puts its type on an `event:` line too)."""
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
                 for payload in render(chunk):
-                    yield event(payload)
+                    yield frame(payload)
     except Exception as exc:  # a bug, too, must end the stream in the family's envelope
         error = exc if isinstance(exc, APIError) else None
         error = error or APIError(ErrorKind.ENGINE, f"internal error: {exc!r}")
-        yield event(error.body(family, in_stream=True))
+        payload = error_event(error) if error_event else error.body(family, in_stream=True)
+        yield frame(payload)
     if done:
         yield DONE
