@@ -224,3 +224,39 @@ def test_documented_examples_over_http(http, kv_idle_http, path, body, stream):
         assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
         assert all(e["object"].endswith(("chunk", "text_completion")) for e in events[:-1])
     assert kv_idle_http()
+
+
+def test_databricks_family_over_ray(server, kv_idle_http):
+    """The databricks-sdk and the openai client against the Ray-served app: every task, the
+    embedding deployment included."""
+    from databricks.sdk import WorkspaceClient
+    from databricks.sdk.service.serving import ChatMessage, ChatMessageRole
+    from serve_helpers import EMBEDDING_ENDPOINT
+
+    w = WorkspaceClient(host=server, token="unused")
+    listed = {(e.name, e.task) for e in w.serving_endpoints.list()}
+    assert listed == {("demo", "llm/v1/chat"), (EMBEDDING_ENDPOINT, "llm/v1/embeddings")}
+    chat = w.serving_endpoints.query(
+        "demo", messages=[ChatMessage(role=ChatMessageRole.USER, content="hi")], max_tokens=4
+    )
+    assert chat.usage.completion_tokens <= 4
+    batch = w.serving_endpoints.query("demo", prompt=["a", "b"], max_tokens=3, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    vectors = w.serving_endpoints.query(EMBEDDING_ENDPOINT, input=["a cat", "a kitten"]).data
+    assert [len(v.embedding) for v in vectors] == [384, 384]
+    oai = w.serving_endpoints.get_open_ai_client(max_retries=0)
+    events = list(oai.responses.create(model="demo", input="hi", max_output_tokens=3, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert kv_idle_http()
+
+
+def test_batch_completion_stream_disconnect_frees_every_prompt(server, kv_idle_http):
+    body = {"prompt": ["tell me a story", "and another", "and a third"], "max_tokens": 60,
+            "stream": True, "n": 2}  # fmt: skip
+    with httpx.Client(base_url=server, timeout=60) as c:
+        with c.stream("POST", "/serving-endpoints/demo/invocations", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # the first choice's first text arrived: hang up
+    assert kv_idle_http()
