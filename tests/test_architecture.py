@@ -92,7 +92,11 @@ def _reaches(name: str) -> set[str]:
     "layer, forbidden",
     [
         ("serve_app.engine", ("serve_app.protocol", "serve_app.ingress", "serve_app.replica",
-                              "serve_app.disagg", "serve_app.tokenizer", "serve_app.config")),
+                              "serve_app.disagg", "serve_app.tokenizer", "serve_app.config",
+                              "serve_app.structured")),
+        ("serve_app.structured", ("serve_app.protocol", "serve_app.ingress",
+                                  "serve_app.replica", "serve_app.disagg",
+                                  "serve_app.tokenizer", "serve_app.config")),
         ("serve_app.protocol", ("serve_app.disagg", "serve_app.replica", "serve_app.ingress")),
         ("serve_app.disagg", ("serve_app.protocol", "serve_app.ingress")),
         ("serve_app.tokenizer", ("serve_app.protocol", "serve_app.ingress", "serve_app.replica")),

@@ -60,6 +60,10 @@ class Intake:
             e2e_start=request.e2e_start,
             export_kv=request.export_kv,
         )
+        if request.export_kv:  # a grammar plans for the whole output, not the one token
+            tracked.planned_output_tokens = output_cap(
+                self.config.max_iter_times, params.max_tokens
+            )
         tracked.arrival_time = request.arrival_time or tracked.arrival_time
         if imported is not None:  # timing of later tokens counts from the hand-off
             tracked.last_token_time = tracked.arrival_time

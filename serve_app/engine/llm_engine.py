@@ -40,13 +40,26 @@ class LLMEngine:
         device, kv_caches = self.runner.device, self.runner.kv_caches
         sampler = Sampler(config.seed, device)
         self.updater = Updater(
-            self.kv, sampler, self.runner.read_kv, self.max_model_len, self._eos_ids(), device
+            self.kv,
+            sampler,
+            self.runner.read_kv,
+            self.max_model_len,
+            self._eos_ids(),
+            device,
+            str(self.runner.model_path),
+            self._logits_width(),
         )
         self.intake = Intake(
             config, self.vocab_size, self.max_model_len, self.kv, kv_caches, device
         )
         self.requests: dict[str, Request] = {}
         self.num_kv_imports = 0
+
+    def _logits_width(self) -> int:
+        """Entries in a logits row: the LM head's rows (may be padded past the tokenizer)."""
+        head = self.runner.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        return int(weight.shape[0]) if weight is not None else self.vocab_size
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -80,6 +93,7 @@ class LLMEngine:
         pressure later takes its blocks (preemption).
         """
         tracked = self.intake(request, self.requests)
+        self.updater.start_constraint(tracked)  # a grammar that cannot fit is refused here
         self.requests[tracked.request_id] = tracked
         imported = request.imported
         if imported is None:

@@ -7,8 +7,9 @@ object crosses deployment handles.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from serve_app.engine.constraint import TokenConstraint
 
 # Request priorities run from 1 (served first) to 5; a request that names none gets the lowest.
 HIGHEST_PRIORITY, LOWEST_PRIORITY = 1, 5
@@ -32,11 +33,6 @@ def output_cap(max_iter_times: int, max_tokens: int | None) -> int:
     return max_iter_times if max_tokens is None else min(max_iter_times, max_tokens)
 
 
-# Maps the sequence generated so far to a boolean mask of allowed next tokens (True = allowed),
-# or None for "no constraint". Used by structured output.
-AllowedTokenFn = Callable[[Sequence[int]], "object | None"]
-
-
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -55,7 +51,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-N alternatives to report besides the sampled token
     length_penalty: float = 1.0  # beam search score = cum_logprob / len ** length_penalty
-    allowed_token_fn: AllowedTokenFn | None = None
+    # structured output: a picklable spec each sequence starts its own grammar state from
+    # (serve_app.structured builds them; engine/constraint.py is the protocol)
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -75,6 +73,9 @@ class SamplingParams:
             problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             problems.append(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.constraint is not None and self.use_beam_search:
+            # beams re-rank forks every step; a grammar state per beam would have to follow
+            problems.append("a constraint (structured output) cannot run with beam search")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -3,8 +3,8 @@
 Greedy rows take an argmax; sampled rows go through temperature, top-k, top-p, and the
 exponential-race draw (argmax of p / E with E ~ Exp(1)), whose noise comes from the row's own
 generator when it has a seed, so a seeded request samples the same tokens whatever shares its
-batch. Work that no row asks for (penalties, a full sort for top-p, log-softmax) is skipped:
-the vocabulary is 151936 wide.
+batch. Work that no row asks for (penalties, a full sort for top-p, log-softmax, a grammar's
+mask) is skipped: the vocabulary is 151936 wide.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_app.engine.constraint import ConstraintState
 from serve_app.engine.params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None
+    constraint: ConstraintState | None = None  # the sequence's grammar state, if it has one
+    remaining: int = 0  # tokens the sequence may still produce, this one included
 
 
 @dataclass(slots=True)
@@ -122,15 +125,13 @@ class Sampler:
             or r.params.presence_penalty
             or r.params.frequency_penalty
         ]
-        masked = [i for i, r in enumerate(rows) if r.params.allowed_token_fn is not None]
+        masked = [i for i, r in enumerate(rows) if r.constraint is not None]
         if penalized or masked:
             logits = logits.clone()  # edited in place below; the caller's tensor stays intact
         if penalized:
             _apply_penalties(logits, rows, penalized)
-        for i in masked:
-            allowed = rows[i].params.allowed_token_fn(rows[i].output_ids)
-            if allowed is not None:
-                logits[i].masked_fill_(~torch.as_tensor(allowed, device=device), float("-inf"))
+        for i in masked:  # after the penalties: a state ranking candidates sees the final row
+            rows[i].constraint.mask(logits[i], rows[i].output_ids, rows[i].remaining)
         tokens = row_argmax(logits)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serve_app.engine.constraint import ConstraintState
 from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics
 from serve_app.engine.params import DEFAULT_PRIORITY, FinishReason, SamplingParams
 
@@ -45,6 +46,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id, when one ended the sequence
     num_emitted: int = 0  # output tokens already reported (streaming cursor)
+    # its own grammar state (structured output), started on first use; a fork starts a fresh
+    # one, which catches up from the output it inherits
+    constraint: ConstraintState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +99,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_output_tokens: int  # min(maxIterTimes, max_tokens), the output limit before maxSeqLen
+    # a PD prefill's cap for the whole generation (its own max_output_tokens is 1), so that a
+    # grammar plans its output for the decode that continues it; None: max_output_tokens
+    planned_output_tokens: int | None = None
     priority: int = DEFAULT_PRIORITY  # 1 highest .. 5 lowest
     arrival_time: float = field(default_factory=time.monotonic)
     # Start of the e2eTimeout window when the request began elsewhere (a PD decode continues a
@@ -121,6 +128,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def output_plan(self) -> int:
+        """The output limit a constraint plans for (see planned_output_tokens)."""
+        return self.planned_output_tokens or self.max_output_tokens
 
     @property
     def sort_key(self) -> tuple[int, float]:

@@ -5,7 +5,8 @@ Then each sequence gets one token (best_of forks split off at the first token; b
 re-ranks its beams instead), the token is appended, and whatever ends the sequence (EOS, a stop
 token, the output cap, maxSeqLen) is checked. Requests that stream report their new tokens every
 step; beam search and best_of > n report once, at the end, with the timing of every step. A PD
-prefill's KV is read here, before its blocks go back to the pool.
+prefill's KV is read here, before its blocks go back to the pool. A sequence with a constraint
+(structured output) gets its grammar state here, and the sampler lets it mask its row.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 import torch
 
 from serve_app.engine import beam_search
+from serve_app.engine.constraint import ConstraintContext, ConstraintState, remaining_tokens
+from serve_app.engine.errors import RequestRejected
 from serve_app.engine.kv_cache import KVCacheManager
 from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.outputs import RequestOutput, StepMetrics, TokenLogprob
@@ -38,6 +41,8 @@ class Updater:
         max_model_len: int,
         eos_token_ids: set[int],
         device: torch.device,
+        model_path: str = "",
+        vocab_size: int = 0,
     ):
         self.kv = kv
         self.sampler = sampler
@@ -45,6 +50,8 @@ class Updater:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.device = device  # where best_of forks keep their generators
+        self.model_path = model_path  # for constraints: the tokenizer's folder
+        self.vocab_size = vocab_size  # for constraints: the width of a logits row
         self.num_kv_exports = 0
 
     def update(
@@ -73,14 +80,13 @@ class Updater:
         for request in requests:
             self._fork_for_best_of(request)
             for seq in request.seqs:
-                rows.append(
-                    SampleRow(
-                        request.params,
-                        request.prompt_token_ids,
-                        seq.output_token_ids,
-                        seq.generator,
-                    )
+                row = SampleRow(
+                    request.params, request.prompt_token_ids, seq.output_token_ids, seq.generator
                 )
+                if request.params.constraint is not None:
+                    row.constraint = self._constraint_state(request, seq)
+                    row.remaining = self._remaining(request, seq)
+                rows.append(row)
                 # a fork made just now samples from its parent's row
                 logit_rows.append(row_of.get(seq.seq_id, row_of.get(request.seqs[0].seq_id)))
                 owners.append((request, seq))
@@ -113,6 +119,41 @@ class Updater:
                 child.index = index
                 child.generator = seeded_generator(params.seed, index, self.device)
                 request.seqs.append(child)
+
+    # -- constraints (structured output) --------------------------------------------------------
+
+    @property
+    def constraint_context(self) -> ConstraintContext:
+        return ConstraintContext(
+            self.model_path, self.vocab_size, tuple(sorted(self.eos_token_ids))
+        )
+
+    def start_constraint(self, request: Request) -> None:
+        """At intake: start the first sequence's grammar state, and refuse (RequestRejected)
+        a constraint that cannot start or whose shortest output exceeds the output limit."""
+        if request.params.constraint is None:
+            return
+        try:
+            state = self._constraint_state(request, request.seqs[0])
+        except (ImportError, ValueError, RuntimeError) as exc:  # no xgrammar, a bad schema
+            raise RequestRejected(f"the output constraint cannot start: {exc}") from None
+        room = self._remaining(request, request.seqs[0]) + request.seqs[0].num_output_tokens
+        if state.min_output_tokens > room:
+            raise RequestRejected(
+                f"the output limit ({room} tokens: max_tokens, maxIterTimes or maxSeqLen) is "
+                f"below the {state.min_output_tokens} tokens of the shortest output the "
+                "constraint (response format) allows"
+            )
+
+    def _constraint_state(self, request: Request, seq: Sequence) -> ConstraintState:
+        if seq.constraint is None:
+            seq.constraint = request.params.constraint.start(self.constraint_context)
+        return seq.constraint
+
+    def _remaining(self, request: Request, seq: Sequence) -> int:
+        return remaining_tokens(
+            request.output_plan, seq.num_output_tokens, self.max_model_len, seq.num_tokens
+        )
 
     def _beam_step(self, request: Request, logits: torch.Tensor, row_of: dict) -> None:
         index = torch.tensor([row_of[s.seq_id] for s in request.seqs], device=logits.device)

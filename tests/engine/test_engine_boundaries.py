@@ -8,7 +8,7 @@ import pytest
 import serve_app.engine
 from serve_app.engine import EngineConfig
 
-FORBIDDEN = {"fastapi", "pydantic", "ray", "starlette"}
+FORBIDDEN = {"fastapi", "pydantic", "ray", "starlette", "xgrammar"}  # grammars: structured/
 
 
 def test_engine_imports_no_serving_packages():

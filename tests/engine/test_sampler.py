@@ -149,13 +149,38 @@ def test_logprobs_report_the_sampled_token_and_the_top_alternatives():
         assert ids == reference[row].topk(3).indices.tolist()
 
 
-def test_allowed_token_mask_hook_restricts_choices():
-    logits = _logits(1)
-    mask = torch.zeros(VOCAB, dtype=torch.bool)
-    mask[[7, 8, 9]] = True
-    params = SamplingParams(temperature=1.0, allowed_token_fn=lambda generated: mask)
-    tokens = Sampler()(logits.expand(32, -1), _rows(params, 32)).token_ids
-    assert set(tokens) <= {7, 8, 9}
+class _OnlyState:
+    """A constraint state (the engine's hook) that allows a fixed set of tokens."""
+
+    min_output_tokens = 0
+
+    def __init__(self, allowed):
+        self.allowed = allowed
+        self.calls = []
+
+    def mask(self, logits_row, output_ids, remaining):
+        self.calls.append((list(output_ids), remaining))
+        kept = logits_row[self.allowed].clone()
+        logits_row.fill_(float("-inf"))
+        logits_row[self.allowed] = kept
+
+
+def test_constraint_state_masks_its_own_row_only():
+    logits = _logits(1).expand(64, -1)
+    rows = _rows(SamplingParams(temperature=1.0), 64, output_ids=[3, 4])
+    state = _OnlyState([7, 8, 9])
+    for row in rows[:32]:
+        row.constraint, row.remaining = state, 5
+    tokens = Sampler()(logits, rows).token_ids
+    assert set(tokens[:32]) <= {7, 8, 9}
+    assert not set(tokens[32:]) <= {7, 8, 9}  # the unconstrained rows roam the vocabulary
+    assert state.calls == [([3, 4], 5)] * 32
+    assert torch.equal(logits, _logits(1).expand(64, -1))  # the caller's logits stay intact
+
+
+def test_a_constraint_cannot_run_with_beam_search():
+    with pytest.raises(ValueError, match="beam search"):
+        SamplingParams(use_beam_search=True, best_of=2, constraint=object())
 
 
 @pytest.mark.parametrize("width", [151936, 49152, 1500, 1025, 1024, 100])

@@ -8,7 +8,6 @@ import time
 import uuid
 
 import pytest
-import torch
 
 from serve_app.config import load_config
 from serve_app.disagg.connector import LocalConnector
@@ -165,19 +164,34 @@ def test_limit_from_max_iter_times_gives_one_token_more(prefill, decode, prompt)
     wait_idle(prefill, decode)
 
 
+@dataclasses.dataclass(frozen=True)
+class ForcedStart:
+    """A constraint (the engine's hook) that forces the first tokens, then lets any through."""
+
+    tokens: tuple[int, ...]
+
+    def start(self, ctx):
+        return _ForcedStartState(self.tokens)
+
+
+@dataclasses.dataclass
+class _ForcedStartState:
+    tokens: tuple[int, ...]
+    min_output_tokens: int = 0
+
+    def mask(self, logits_row, output_ids, remaining):
+        if len(output_ids) < len(self.tokens):
+            token = self.tokens[len(output_ids)]
+            value = logits_row[token].item()
+            logits_row.fill_(float("-inf"))
+            logits_row[token] = value
+
+
 def split_char_params(tokenizer, max_tokens=6):
     """Greedy, but the first two tokens are forced to spell SPLIT_CHAR."""
     forced = tokenizer.encode(SPLIT_CHAR, add_special_tokens=False)
     assert len(forced) == 2 and tokenizer.decode(forced[:1]).endswith("\ufffd")
-
-    def allowed(output_ids):
-        if len(output_ids) >= len(forced):
-            return None
-        mask = torch.zeros(151936, dtype=torch.bool)
-        mask[forced[len(output_ids)]] = True
-        return mask
-
-    return params(max_tokens, allowed_token_fn=allowed), forced
+    return params(max_tokens, constraint=ForcedStart(tuple(forced))), forced
 
 
 def test_first_token_in_the_middle_of_a_character(colocated, prefill, decode, prompt):
