@@ -15,15 +15,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from serve_app.messages import ErrorKind, ReplicaRequest, TokenizedPrompt, TokenizeRequest, text_of
+from serve_app.messages import ReplicaRequest, TokenizedPrompt, TokenizeRequest, text_of
 from serve_app.protocol.databricks_common import DatabricksSampling, TopLogprobs
 from serve_app.protocol.defaults import ServerDefaults
-from serve_app.protocol.errors import APIError, invalid
+from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import STRICT, Stop
 from serve_app.protocol.openai_chat import MAX_MESSAGE_CHARS, Content
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import sampling_params
-from serve_app.protocol.tool_calls import Tool, ToolChoice, check_tools, effective_choice
+from serve_app.protocol.structured_output import output_constraint
+from serve_app.protocol.tool_calls import (
+    Tool,
+    ToolChoice,
+    check_tools,
+    forced_tools,
+    offered_names,
+)
+from serve_app.structured import JsonConstraint
 
 
 class FunctionCall(BaseModel):
@@ -126,30 +134,23 @@ class DatabricksChatRequest(DatabricksSampling):
         self.check_common()
         _check_messages(self.messages)
         check_tools(self.tools, self.tool_choice)
-        # Both need constrained decoding, which is not wired in yet: refused, never ignored.
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(
-                ErrorKind.UNSUPPORTED,
-                f"response_format.type {self.response_format.type!r} is not supported yet "
-                "(only 'text'): this server has no constrained decoding yet",
-                "response_format.type",
-            )
-        if self.tool_names and effective_choice(self.tools, self.tool_choice) != "auto":
-            raise APIError(
-                ErrorKind.UNSUPPORTED,
-                "tool_choice 'required' or a named function is not supported yet (only 'auto' "
-                "and 'none'): forcing a call needs constrained decoding",
-                "tool_choice",
-            )
+        self.constraint()  # an unusable schema is a 400 before any model work
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "can only be set when logprobs is true")
 
     @property
     def tool_names(self) -> set[str] | None:
-        """The functions a reply is parsed for calls to; None when no tool is on offer."""
-        if not self.tools or effective_choice(self.tools, self.tool_choice) == "none":
-            return None
-        return {t.function.name for t in self.tools}
+        return offered_names(self.tools, self.tool_choice)
+
+    def constraint(self) -> JsonConstraint | None:
+        """What the reply is decoded under: a forced tool call, a JSON format, or nothing."""
+        forced = forced_tools(self.tools, self.tool_choice)
+        fmt = self.response_format
+        return output_constraint(
+            fmt.model_dump(by_alias=True, exclude_none=True) if fmt else None,
+            forced,
+            has_stop=bool(self.stop),
+        )
 
     def tokenize_request(self, model: str) -> TokenizeRequest:
         messages = [m.template_message() for m in self.messages]
@@ -169,6 +170,7 @@ class DatabricksChatRequest(DatabricksSampling):
             n=self.n,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
+        params.constraint = self.constraint()
         return ReplicaRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,

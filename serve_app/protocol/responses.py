@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from serve_app.messages import ErrorKind, ReplicaRequest, TokenizedPrompt, TokenizeRequest
 from serve_app.protocol.databricks_common import PositiveInt, Temperature, TopLogprobs, TopP
@@ -25,7 +25,15 @@ from serve_app.protocol.fields import STRICT
 from serve_app.protocol.openai_common import StreamOptions, StreamUsage
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import sampling_params
-from serve_app.protocol.tool_calls import Tool, ToolChoice, check_tools, effective_choice
+from serve_app.protocol.structured_output import output_constraint
+from serve_app.protocol.tool_calls import (
+    Tool,
+    ToolChoice,
+    check_tools,
+    forced_tools,
+    offered_names,
+)
+from serve_app.structured import JsonConstraint
 
 # Refused when present, as Databricks documents: nothing is stored or run in the background.
 UNSUPPORTED = {
@@ -38,6 +46,7 @@ UNSUPPORTED = {
     "reasoning": "only reasoning models take it; the models served here do not reason",
 }
 MAX_METADATA = 16
+_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -67,9 +76,20 @@ def _metadata(value: Any) -> Any:
 
 
 class TextFormat(BaseModel):
-    model_config = STRICT
+    """OpenAI's flat `{"type": "json_schema", "name", "schema", "strict"}`, or Databricks'
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        """As chat's response_format."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        flat = {k: v for k, v in (self.model_extra or {}).items() if k in _SCHEMA_KEYS}
+        return {"type": "json_schema", "json_schema": self.json_schema or flat}
 
 
 class TextConfig(BaseModel):
@@ -124,28 +144,18 @@ class ResponsesRequest(StreamUsage, BaseModel):
         refuse_in_pd(pd_mode, {"top_logprobs": self.top_logprobs is not None})
         self.check_stream_options()
         check_tools(self.tools, self.tool_choice)
-        fmt = self.text.format if self.text else None
-        if fmt is not None and fmt.type != "text":
-            raise APIError(
-                ErrorKind.UNSUPPORTED,
-                f"text.format.type {fmt.type!r} is not supported yet (only 'text'): this "
-                "server has no constrained decoding yet",
-                "text.format.type",
-            )
-        if self.tool_names and effective_choice(self.tools, self.tool_choice) != "auto":
-            raise APIError(
-                ErrorKind.UNSUPPORTED,
-                "tool_choice 'required' or a named function is not supported yet (only 'auto' "
-                "and 'none'): forcing a call needs constrained decoding",
-                "tool_choice",
-            )
+        self.constraint()  # an unusable schema is a 400 before any model work
         self.messages()  # the input items' own rules, before any model work
+
+    def constraint(self) -> JsonConstraint | None:
+        forced = forced_tools(self.tools, self.tool_choice)
+        fmt = self.text.format if self.text else None
+        fmt = fmt.response_format() if fmt else None
+        return output_constraint(fmt, forced, param="text.format")
 
     @property
     def tool_names(self) -> set[str] | None:
-        if not self.tools or effective_choice(self.tools, self.tool_choice) == "none":
-            return None
-        return {t.function.name for t in self.tools}
+        return offered_names(self.tools, self.tool_choice)
 
     @property
     def want_logprobs(self) -> bool:
@@ -179,6 +189,7 @@ class ResponsesRequest(StreamUsage, BaseModel):
             max_tokens=defaults.limits.max_output_tokens(self.max_output_tokens),
             logprobs=(self.top_logprobs or 0) if self.want_logprobs else None,
         )
+        params.constraint = self.constraint()
         return ReplicaRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,

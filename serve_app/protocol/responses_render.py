@@ -85,7 +85,7 @@ class ResponseBuilder:
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "store": False,
             "metadata": b.metadata or {},
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format(b)},
             "top_logprobs": b.top_logprobs,
             "truncation": b.truncation or "disabled",
         }
@@ -209,6 +209,11 @@ class ResponseStream:
                         name=item["name"], **where),
             self._event("response.output_item.done", output_index=index, item=item),
         ]  # fmt: skip
+
+
+def _format(body: ResponsesRequest) -> dict:
+    fmt = body.text.format if body.text else None
+    return fmt.model_dump(exclude_none=True) if fmt else {"type": "text"}
 
 
 def _flat_tool(tool: dict) -> dict:

@@ -97,8 +97,19 @@ def effective_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> Too
     return "auto" if tools else "none"
 
 
-def forced_tools(tools: list[Tool], choice: ToolChoice) -> list[dict] | None:
-    """The tools a call must be made to (a constrained reply), or None when the model chooses."""
+def offered_names(tools: list[Tool] | None, choice: ToolChoice | None) -> set[str] | None:
+    """The functions a reply is parsed for calls to; None when no tool is on offer."""
+    if not tools or effective_choice(tools, choice) == "none":
+        return None
+    return {t.function.name for t in tools}
+
+
+def forced_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[dict] | None:
+    """The tools a call must be made to (a constrained reply), or None when the model chooses
+    (or has no tools)."""
+    if not tools:
+        return None
+    choice = effective_choice(tools, choice)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     elif choice != "required":

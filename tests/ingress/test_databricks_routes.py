@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -228,27 +229,95 @@ def test_openai_compatible_paths(client, kv_idle):
 
 
 TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {}}}},
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}},
 }]  # fmt: skip
 
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"]},
+    },
+    "required": ["name", "age", "address"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("max_tokens", [24, 60])
+@pytest.mark.parametrize("path", [INVOKE, "/serving-endpoints/chat/completions"])
+def test_json_schema_output_validates_even_from_the_random_model(client, path, max_tokens):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    body = {"model": "demo", "messages": HI, "max_tokens": max_tokens, "n": 2,
+            "response_format": fmt}  # fmt: skip
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+def test_json_object_output_and_stream(client, kv_idle):
+    body = {"messages": HI, "max_tokens": 20, "response_format": {"type": "json_object"}}
+    reply = client.post(INVOKE, json=body).json()["choices"][0]["message"]["content"]
+    assert isinstance(json.loads(reply), dict)
+    events = _events(client.post(INVOKE, json={**body, "stream": True}))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert isinstance(json.loads(text), dict)
+    assert kv_idle()
+
+
 @pytest.mark.parametrize(
-    "extra, param",
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_forced_tool_call_is_a_valid_call(client, choice):
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+    body = {"messages": HI, "max_tokens": 30, "tools": [*TOOLS, other], "tool_choice": choice}
+    for stream in (False, True):
+        r = client.post(INVOKE, json={**body, "stream": stream})
+        if stream:
+            events = _events(r)
+            (call,) = next(e for e in events if e["choices"][0]["delta"].get("tool_calls"))[
+                "choices"][0]["delta"]["tool_calls"]
+            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        else:
+            choice_out = r.json()["choices"][0]
+            assert choice_out["finish_reason"] == "tool_calls"
+            (call,) = choice_out["message"]["tool_calls"]
+        name = call["function"]["name"]
+        assert name in ("get_weather", "get_time") and call["id"].startswith("call_")
+        if isinstance(choice, dict):
+            assert name == "get_weather"
+        arguments = json.loads(call["function"]["arguments"])
+        schema = (TOOLS[0] if name == "get_weather" else other)["function"]["parameters"]
+        jsonschema.validate(arguments, schema)
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
     [
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema",
-                              "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-         "response_format.type"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice"),
+                              "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+         "response_format.json_schema.schema", "is not a usable JSON schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema", "is required"),
+        ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop",
+         "cannot be used with JSON output"),
+        ({"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
+         "response_format", "cannot ask for JSON output while tool_choice forces"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
+                                                                      "schema": PERSON}},
+          "max_tokens": 3}, None, "below the"),
     ],
 )  # fmt: skip
-def test_what_needs_constrained_decoding_is_refused_not_ignored(client, extra, param):
+def test_unusable_output_formats_are_400(client, extra, param, message):
     body = {"model": "demo", "messages": HI, **extra}
     r = client.post("/serving-endpoints/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
-    assert "not supported yet" in r.json()["error"]["message"]
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
 
 
 def test_tools_auto_and_text_format_run(client, kv_idle):

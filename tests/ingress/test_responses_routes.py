@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -83,8 +84,9 @@ def test_function_call_items_reach_the_model(oai):
         ({"input": [{"type": "reasoning"}]}, "input[0].type", "must be message, function_call"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id", "is required"),
         ({"input": []}, "input", "must be a non-empty string or a non-empty list"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format.type", "not supported yet"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "not supported yet"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+         "text.format.json_schema.schema", "is not a usable JSON schema"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type", "must be 'text', 'json"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only be set when"),
     ],
 )  # fmt: skip
@@ -112,3 +114,27 @@ def test_raw_stream_frames_carry_the_event_type(client):
         kind, data = frame.split("\n")
         assert kind.removeprefix("event: ") == json.loads(data.removeprefix("data: "))["type"]
     assert "[DONE]" not in r.text
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "json_schema", "name": "city", "schema": CITY, "strict": True},  # OpenAI's
+        {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},  # Databricks'
+    ],
+)
+def test_text_format_json_schema(client, fmt):
+    schema = {**CITY, "required": ["city"]}
+    fmt = json.loads(json.dumps(fmt).replace(json.dumps(CITY), json.dumps(schema)))
+    body = {"model": "demo", "input": "hi", "max_output_tokens": 20, "text": {"format": fmt}}
+    r = client.post("/v1/responses", json=body).json()
+    text = r["output"][0]["content"][0]["text"]
+    jsonschema.validate(json.loads(text), schema)
+    assert r["text"]["format"]["type"] == "json_schema"
+
+
+def test_forced_function_call_item(oai):
+    r = oai.responses.create(model="demo", input="hi", tools=[WEATHER], max_output_tokens=30,
+                             tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict)

@@ -104,3 +104,66 @@ def test_triton_generate_and_mindie_infer(http):
     reply = http.post("/infer", json={**body, "stream": False})
     assert reply.status_code == 200, reply.text
     assert "Berlin" in json.loads(reply.text)["generated_text"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                   "required": ["zone"]}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def endpoints(server):
+    """The Databricks OpenAI-compatible base URL, where temperature 0 is greedy."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/serving-endpoints", api_key="x", max_retries=0)
+
+
+@pytest.mark.parametrize(
+    "question, name, args",
+    [("What is the weather in Paris?", "get_weather", {"city": "Paris"}),
+     ("What time is it in Tokyo?", "get_time", None)],
+)  # fmt: skip
+def test_a_required_tool_call_picks_the_tool_and_its_arguments(endpoints, question, name, args):
+    reply = endpoints.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], tools=[WEATHER, CLOCK],
+        tool_choice="required", temperature=0, max_tokens=60,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == name
+    got = json.loads(call.function.arguments)
+    if args is not None:
+        assert got == args
+    else:  # the zone it names varies with the dtype (Asia/Tokyo in float32, UTC in bfloat16)
+        assert isinstance(got["zone"], str) and got["zone"]
+
+
+def test_json_schema_output_answers_with_the_facts(endpoints):
+    person = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}  # fmt: skip
+    reply = endpoints.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=60,
+        messages=[{"role": "user",
+                   "content": "Describe a person named Alice who is 30 years old, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+    )  # fmt: skip
+    assert json.loads(reply.choices[0].message.content) == {"name": "Alice", "age": 30}
+
+
+def test_the_responses_api_calls_the_tool(endpoints):
+    r = endpoints.responses.create(
+        model=MODEL, input="What is the weather in Paris?", temperature=0,
+        max_output_tokens=60, tool_choice="required",
+        tools=[{"type": "function", **WEATHER["function"]}],
+    )  # fmt: skip
+    (call,) = r.output
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call", "get_weather", {"city": "Paris"}
+    )
