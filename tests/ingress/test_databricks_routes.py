@@ -326,3 +326,34 @@ def test_tools_auto_and_text_format_run(client, kv_idle):
         r = client.post(INVOKE, json={"messages": HI, "max_tokens": 3, **extra})
         assert r.status_code == 200, r.text
     assert kv_idle()
+
+
+def test_openai_client_tools_with_each_tool_choice_and_json_schema(client, kv_idle):
+    oai = openai.OpenAI(
+        base_url="http://testserver/serving-endpoints", api_key="x", http_client=client
+    )
+    params = TOOLS[0]["function"]["parameters"]
+    for choice in ("auto", "none", "required",
+                   {"type": "function", "function": {"name": "get_weather"}}):  # fmt: skip
+        reply = oai.chat.completions.create(
+            model="demo", messages=HI, tools=TOOLS, tool_choice=choice, max_tokens=30
+        )
+        message = reply.choices[0].message
+        if choice in ("auto", "none"):  # the random model writes text
+            assert message.tool_calls is None and reply.choices[0].finish_reason != "tool_calls"
+        else:
+            assert reply.choices[0].finish_reason == "tool_calls"
+            jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), params)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for stream in (False, True):
+        reply = oai.chat.completions.create(
+            model="demo", messages=HI, max_tokens=40, response_format=fmt, stream=stream,
+            logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+        else:
+            text = reply.choices[0].message.content
+            assert len(reply.choices[0].logprobs.content) == reply.usage.completion_tokens
+        jsonschema.validate(json.loads(text), PERSON)
+    assert kv_idle()
