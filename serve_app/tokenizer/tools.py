@@ -38,6 +38,14 @@ def call_text(name: str, arguments: Any) -> str:
     return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
 
 
+def _call_text(call) -> str | None:
+    """An OpenAI tool call ({"function": {"name", "arguments"}}) as text, None if it is not one."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return None
+    return call_text(function["name"], function.get("arguments", {}))
+
+
 def _instructions(tools: list[dict]) -> str:
     listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
     return (
@@ -61,12 +69,11 @@ def with_tools(tokenizer, messages: list[dict], tools: list[dict] | None) -> tup
         return messages, ({"tools": tools} if tools else {})
     out = []
     for message in messages:
-        calls = message.get("tool_calls")
-        if calls:
-            texts = [message["content"]] if message.get("content") else []
-            texts += [call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        calls = [_call_text(c) for c in message.get("tool_calls") or []]
+        if calls and all(calls):  # else (a shape we do not know) the template sees it as sent
+            texts = [message["content"]] if isinstance(message.get("content"), str) else []
             message = {k: v for k, v in message.items() if k != "tool_calls"}
-            message["content"] = "\n".join(texts)
+            message["content"] = "\n".join([t for t in texts if t] + calls)
         out.append(message)
     if tools:
         text = _instructions(tools)

@@ -117,3 +117,10 @@ def test_a_template_without_tools_gets_them_in_the_system_message(smollm2_path):
     assert rendered[2]["content"] == call_text("get_weather", {"city": "Paris"})
     text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
     assert "<tool_call>" in text and "21 C" in text
+
+
+def test_a_tool_call_of_unknown_shape_reaches_the_template_as_sent(smollm2_path):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    odd = {"role": "assistant", "content": "x", "tool_calls": [{"id": "c1", "type": "function"}]}
+    rendered, _ = with_tools(tokenizer, [odd], None)
+    assert rendered == [odd]

@@ -56,7 +56,7 @@ def test_concurrent_requests_share_passes_and_get_their_own_vectors(replica):
 
 
 def test_a_refused_input_refuses_its_own_request_only(replica):
-    longest = " ".join(["hello"] * 511)  # 513 tokens with [CLS] and [SEP]
+    longest = " ".join(["hello"] * 255)  # 257 tokens with [CLS] and [SEP]: one too many
 
     async def main():
         return await asyncio.gather(
@@ -69,8 +69,8 @@ def test_a_refused_input_refuses_its_own_request_only(replica):
     ok, too_long, empty, also_ok = asyncio.run(main())
     assert isinstance(ok, EmbedResult) and isinstance(also_ok, EmbedResult)
     assert isinstance(too_long, Rejection) and too_long.kind == ErrorKind.VALIDATION
-    assert too_long.param == "input[1]" and "513 tokens" in too_long.message
-    assert "at most 512" in too_long.message
+    assert too_long.param == "input[1]" and "257 tokens" in too_long.message
+    assert "at most 256" in too_long.message  # the model's max_seq_length
     assert isinstance(empty, Rejection) and empty.param == "inputs[0]"
 
 
@@ -82,7 +82,7 @@ def test_no_texts_is_refused(replica):
 def test_stats(replica):
     stats = asyncio.run(replica.stats())
     assert stats["endpoint"] == ENDPOINT and stats["dimensions"] == 384
-    assert stats["max_input_tokens"] == 512 and stats["max_batch_size"] == 16
+    assert stats["max_input_tokens"] == 256 and stats["max_batch_size"] == 16
 
 
 def test_the_pipeline_raises_refusals_and_unknown_endpoints(config, replica):
