@@ -11,10 +11,10 @@ each API family renders them in its own envelope.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from serve_app.engine.params import DEFAULT_PRIORITY, SamplingParams
+from serve_app.engine.params import DEFAULT_PRIORITY, FinishReason, SamplingParams
 
 
 class ErrorKind(str, enum.Enum):
@@ -191,6 +191,18 @@ class ReplicaChunk:
                 by_index[delta.index] = ChoiceDelta(index=delta.index, token_ids=[], text="")
             by_index[delta.index].absorb(delta)
         self.choices = [by_index[i] for i in sorted(by_index)]
+
+
+    def cut_short(self) -> ReplicaChunk:
+        """This chunk, which ended its request with a timeout, as what it generated: not
+        finished, its timed-out choices without a finish reason (for a caller that returns
+        what it has and words the end itself, as Databricks' error_behavior "truncate")."""
+        timeout = FinishReason.TIMEOUT.value
+        choices = [
+            replace(c, finish_reason=None) if c.finish_reason == timeout else c
+            for c in self.choices
+        ]
+        return replace(self, choices=choices, finished=False, error=None, error_kind=None)
 
 
 # -- prefill/decode disaggregation ------------------------------------------------------------

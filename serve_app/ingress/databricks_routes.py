@@ -185,7 +185,7 @@ def _named(model: str | None) -> str:
 async def _json_object(request: Request) -> dict:
     try:
         body = await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise APIError(ErrorKind.VALIDATION, f"body is not valid JSON: {exc}", "body") from None
     if not isinstance(body, dict):
         raise APIError(ErrorKind.VALIDATION, "body must be a JSON object", "body")
@@ -213,13 +213,16 @@ async def _all(awaitables) -> list:
 async def _until_timeout(
     chunks: AsyncIterator[ReplicaChunk], truncate: bool
 ) -> AsyncIterator[ReplicaChunk | None]:
-    """The chunks; with error_behavior "truncate" a timeout ends them with None instead."""
+    """The chunks; with error_behavior "truncate" a timeout ends them with what the last
+    chunk generated, then None (its unfinished choices end with "length")."""
     try:
         async for chunk in chunks:
             yield chunk
     except APIError as exc:
         if not truncate or exc.kind != ErrorKind.TIMEOUT:
             raise
+        if exc.partial is not None:
+            yield exc.partial.cut_short()
         yield None
     finally:
         await chunks.aclose()

@@ -183,7 +183,9 @@ class Pipeline:
                     return
                 if chunk.error is not None:
                     self.metrics.update_stats(model, chunk.stats)
-                    raise APIError(chunk.error_kind or ErrorKind.ENGINE, chunk.error)
+                    error = APIError(chunk.error_kind or ErrorKind.ENGINE, chunk.error)
+                    error.partial = chunk
+                    raise error
                 if self.defaults.pd_mode and num_chunks < 2:
                     observe = (self.metrics.observe_prefill, self.metrics.observe_first_decode)
                     observe[num_chunks](model, chunk)
@@ -220,7 +222,8 @@ class Pipeline:
         partial_on_timeout: bool = False,
     ) -> ReplicaChunk:
         """Non-stream: every chunk folded into one (text, ids, logprobs and steps concatenated).
-        partial_on_timeout: a timeout returns what came so far (`finished` stays False)."""
+        partial_on_timeout: a timeout returns what was generated (`finished` False, the timed-out
+        choices without a finish reason)."""
         merged = ReplicaChunk(request_id=req.request_id)
         try:
             async for chunk in self.generate(model, req, stop_key):
@@ -228,6 +231,8 @@ class Pipeline:
         except APIError as exc:
             if not (partial_on_timeout and exc.kind == ErrorKind.TIMEOUT):
                 raise
+            if exc.partial is not None:
+                merged.absorb(exc.partial.cut_short())
         return merged
 
     # -- embeddings -------------------------------------------------------------------------

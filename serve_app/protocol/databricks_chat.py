@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -53,7 +54,7 @@ class ToolCall(BaseModel):
         parsed; text that is no JSON object stays text)."""
         arguments = self.function.arguments
         if isinstance(arguments, str):
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 parsed = json.loads(arguments)
                 arguments = parsed if isinstance(parsed, dict) else arguments
         return {"id": self.id, "type": "function",
@@ -134,7 +135,7 @@ class DatabricksChatRequest(DatabricksSampling):
         self.check_common()
         _check_messages(self.messages)
         check_tools(self.tools, self.tool_choice)
-        self.constraint()  # an unusable schema is a 400 before any model work
+        _ = self.constraint  # an unusable schema is a 400 before any model work
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "can only be set when logprobs is true")
 
@@ -142,6 +143,7 @@ class DatabricksChatRequest(DatabricksSampling):
     def tool_names(self) -> set[str] | None:
         return offered_names(self.tools, self.tool_choice)
 
+    @cached_property  # checked in check(), used in replica_request(): built once
     def constraint(self) -> JsonConstraint | None:
         """What the reply is decoded under: a forced tool call, a JSON format, or nothing."""
         forced = forced_tools(self.tools, self.tool_choice)
@@ -170,7 +172,7 @@ class DatabricksChatRequest(DatabricksSampling):
             n=self.n,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
-        params.constraint = self.constraint()
+        params.constraint = self.constraint
         return ReplicaRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,

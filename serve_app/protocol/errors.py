@@ -70,6 +70,9 @@ class APIError(Exception):
         self.kind = ErrorKind(kind)
         self.message = message
         self.param = param
+        # the replica's last chunk when it carried the failure: what was generated in it (a
+        # caller that returns what it has on a timeout keeps it)
+        self.partial = None
 
     @classmethod
     def of(cls, rejection: Rejection) -> APIError:

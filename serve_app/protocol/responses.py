@@ -13,6 +13,7 @@ shape (`{"type": "function", "name", ...}`) and in the chat one (`{"type", "func
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -144,9 +145,10 @@ class ResponsesRequest(StreamUsage, BaseModel):
         refuse_in_pd(pd_mode, {"top_logprobs": self.top_logprobs is not None})
         self.check_stream_options()
         check_tools(self.tools, self.tool_choice)
-        self.constraint()  # an unusable schema is a 400 before any model work
+        _ = self.constraint  # an unusable schema is a 400 before any model work
         self.messages()  # the input items' own rules, before any model work
 
+    @cached_property  # checked in check(), used in replica_request(): built once
     def constraint(self) -> JsonConstraint | None:
         forced = forced_tools(self.tools, self.tool_choice)
         fmt = self.text.format if self.text else None
@@ -189,7 +191,7 @@ class ResponsesRequest(StreamUsage, BaseModel):
             max_tokens=defaults.limits.max_output_tokens(self.max_output_tokens),
             logprobs=(self.top_logprobs or 0) if self.want_logprobs else None,
         )
-        params.constraint = self.constraint()
+        params.constraint = self.constraint
         return ReplicaRequest(
             request_id=request_id,
             prompt_token_ids=prompt.prompt_token_ids,
@@ -265,6 +267,6 @@ def _object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # deep nesting is no JSON we read either
             return arguments
     return arguments

@@ -118,7 +118,8 @@ def forced_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[di
 
 
 def _call(obj: Any, names: set[str]) -> dict | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or name not in names:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
@@ -135,7 +136,7 @@ def _call(obj: Any, names: set[str]) -> dict | None:
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting is no JSON we read either
         return None
 
 

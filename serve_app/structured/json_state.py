@@ -4,8 +4,8 @@ that output within the sequence's token budget.
 The promise kept: the closing policy (closing.py) can always complete the output within the
 tokens that remain. Far from the end of the budget the mask is just the grammar's (~0.1-0.3 ms
 on a 151936-token vocabulary), and every `MEASURE_EVERY` output tokens the state measures the
-policy's path from there. Once the remaining tokens come within `WINDOW` of that measure, it
-plans every step:
+policy's path from there. Once the remaining tokens come within `WINDOW` of that measure (or of
+`MAX_MEASURE`, whichever is larger), it plans every step:
 
 * when the path needs as many tokens as remain, the policy's token is forced, and the next step
   finds the same path one token shorter, down to the last allowed token;
@@ -14,8 +14,9 @@ plans every step:
   does. Checking each candidate is what makes the promise hold: one token can open far more
   than it closes (`[{"` in an array of objects with required keys).
 
-Outside the window the promise rests on no single token adding more than `WINDOW` tokens to the
-path, and on the path not growing by more than that in `MEASURE_EVERY` tokens.
+Outside the window (more than MAX_MEASURE + WINDOW tokens left) the promise rests on no single
+token adding more than that many tokens to the path. Within it the sampler only draws from the
+best few allowed tokens: the price of checking each one.
 
 Every decision is a function of the output so far, the remaining tokens and the logits (the
 measures are taken at fixed output lengths), so a fresh state that catches up from the output
@@ -78,7 +79,7 @@ class JsonState:
         if self.broken or self.matcher.is_terminated():
             self._keep(logits_row, self.eos)
             return
-        if remaining > self._measured + WINDOW:
+        if remaining > max(self._measured, MAX_MEASURE) + WINDOW:
             self._apply_grammar(logits_row)
             return
         path = self._closing_path(min(remaining, MAX_PLAN))
@@ -86,9 +87,10 @@ class JsonState:
             token = path[0] if path else self._policy_token()
             self._keep(logits_row, [token] if token is not None else self.eos)
             return
+        # Within the window every step checks its candidates: one token (a "," before a new
+        # object with many required keys) can lengthen the path by more than the window.
         self._apply_grammar(logits_row)
-        if path and remaining <= len(path) + WINDOW:  # complete: the grammar allows only EOS
-            self._keep(logits_row, self._safe_candidates(logits_row, remaining - 1, path))
+        self._keep(logits_row, self._safe_candidates(logits_row, remaining - 1, path))
 
     def _catch_up(self, output_ids: Sequence[int]) -> None:
         """Accept the output tokens not seen yet (a fork's history, a PD prefill's token)."""
@@ -120,11 +122,12 @@ class JsonState:
         takes at most `budget` tokens."""
         count = max(2, min(CANDIDATES, CHECK_STEPS // (len(path) + 1)))
         values, tokens = row.topk(min(count, row.shape[-1]))
-        own, safe = path[0], [path[0]]
+        # a complete value (path []) may still go on (a number's next digit): EOS always fits
+        safe = [path[0]] if path else list(self.eos)
         for value, token in zip(values.tolist(), tokens.tolist(), strict=True):
             if value == float("-inf"):
                 break
-            if token == own:
+            if token in safe:
                 continue
             sim, lexer = self.matcher.fork(), self.lexer.copy()
             if not sim.accept_token(token):

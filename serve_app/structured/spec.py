@@ -60,7 +60,7 @@ def json_schema(schema: Mapping[str, Any] | str | bool) -> JsonConstraint:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"is not valid JSON: {exc}") from None
     if not isinstance(schema, Mapping):
         raise ValueError(f"must be a JSON object, got {type(schema).__name__}")

@@ -32,7 +32,7 @@ def call_text(name: str, arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"

@@ -357,3 +357,35 @@ def test_openai_client_tools_with_each_tool_choice_and_json_schema(client, kv_id
             assert len(reply.choices[0].logprobs.content) == reply.usage.completion_tokens
         jsonschema.validate(json.loads(text), PERSON)
     assert kv_idle()
+
+
+@pytest.fixture
+def short_timeout(monkeypatch):
+    """Databricks requests carry no timeout of their own: give each prompt 0.3 s."""
+    from dataclasses import replace
+
+    from serve_app.protocol import databricks_completions
+
+    original = databricks_completions.OnePrompt.replica_request
+
+    def with_timeout(self, *args, **kwargs):
+        return replace(original(self, *args, **kwargs), timeout_s=0.3)
+
+    monkeypatch.setattr(databricks_completions.OnePrompt, "replica_request", with_timeout)
+
+
+def test_truncate_returns_what_a_timed_out_prompt_generated(client, kv_idle, short_timeout):
+    body = {"prompt": ["a long story", "another"], "max_tokens": 64, "temperature": 0}
+    r = client.post(INVOKE, json=body)
+    assert r.status_code == 504 and r.json()["error_code"] == "DEADLINE_EXCEEDED"
+    out = client.post(INVOKE, json={**body, "error_behavior": "truncate"}).json()
+    assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
+    generated = out["usage"]["completion_tokens"]
+    assert 0 < generated < 128 and out["usage"]["prompt_tokens"] > 2
+    assert all(c["text"] for c in out["choices"])
+    events = _events(client.post(INVOKE, json={**body, "error_behavior": "truncate",
+                                               "stream": True}))  # fmt: skip
+    ends = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"]]
+    assert sorted(c["index"] for c in ends) == [0, 1]
+    assert {c["finish_reason"] for c in ends} == {"length"}
+    assert kv_idle()

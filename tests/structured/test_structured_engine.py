@@ -132,3 +132,29 @@ def test_the_engine_process_receives_the_constraint_pickled():
     for ids in results:
         assert 0 < len(ids) <= 60
         assert_valid(tokenizer.decode(ids, skip_special_tokens=True), SCHEMAS["nested"])
+
+
+# One "," opens an item whose required keys alone need ~90 tokens: the state must not let it
+# through when the budget left cannot close it (found in review: the window was too narrow).
+WIDE_ITEM = {
+    "type": "object",
+    "properties": {f"property_number_{i}_with_a_long_name": {"type": "integer"} for i in range(12)},
+    "required": [f"property_number_{i}_with_a_long_name" for i in range(12)],
+}
+GROWING = {"type": "array", "items": WIDE_ITEM}
+
+
+@pytest.mark.parametrize("max_tokens", [160, 300])
+def test_a_token_that_opens_a_long_item_is_held_back_near_the_end(llm, max_tokens):
+    params = [sampled(json_schema(GROWING), max_tokens, seed) for seed in range(2)]
+    outputs = llm.generate([CHAT] * 2, params)
+    assert_all_valid(outputs, GROWING, max_tokens)
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4])
+def test_a_complete_number_is_not_extended_past_the_budget(llm, max_tokens):
+    schema = {"type": "number"}
+    params = [sampled(json_schema(schema), max_tokens, seed) for seed in range(4)]
+    outputs = llm.generate([CHAT] * 4, params)
+    assert_all_valid(outputs, schema, max_tokens)
