@@ -389,3 +389,15 @@ def test_truncate_returns_what_a_timed_out_prompt_generated(client, kv_idle, sho
     assert sorted(c["index"] for c in ends) == [0, 1]
     assert {c["finish_reason"] for c in ends} == {"length"}
     assert kv_idle()
+
+
+def test_json_nested_past_the_recursion_limit_is_bad_input(client):
+    deep = "[" * 100_000
+    r = client.post(INVOKE, content=deep.encode())
+    assert r.status_code == 400 and r.json()["message"].startswith("body is not valid JSON")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
+    assert client.post(INVOKE, json={"messages": messages, "max_tokens": 1}).status_code < 500
+    fmt = {"type": "json_schema", "name": "x", "schema": deep}
+    r = client.post("/v1/responses", json={"model": "demo", "input": "x", "text": {"format": fmt}})
+    assert r.status_code == 400

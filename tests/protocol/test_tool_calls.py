@@ -124,3 +124,10 @@ def test_a_tool_call_of_unknown_shape_reaches_the_template_as_sent(smollm2_path)
     odd = {"role": "assistant", "content": "x", "tool_calls": [{"id": "c1", "type": "function"}]}
     rendered, _ = with_tools(tokenizer, [odd], None)
     assert rendered == [odd]
+
+
+@pytest.mark.parametrize(
+    "text", ['{"name": ["get_weather"], "arguments": {}}', "[" * 100_000, '{"name": {}}']
+)
+def test_replies_that_only_look_like_calls_stay_text(text):
+    assert parse_tool_calls(text, NAMES) == (text, [])
