@@ -23,7 +23,7 @@ from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import STRICT, Stop
 from serve_app.protocol.openai_chat import MAX_MESSAGE_CHARS, Content
 from serve_app.protocol.pd_refusals import refuse_in_pd
-from serve_app.protocol.sampling import sampling_params
+from serve_app.protocol.sampling import sampled_request
 from serve_app.protocol.structured_output import output_constraint
 from serve_app.protocol.tool_calls import (
     Tool,
@@ -164,24 +164,13 @@ class DatabricksChatRequest(DatabricksSampling):
     def replica_request(
         self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
-        params = sampling_params(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            max_tokens=defaults.limits.max_output_tokens(self.max_tokens),
-            n=self.n,
+        return sampled_request(
+            request_id, prompt, defaults,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=self.max_tokens, n=self.n, stream=self.stream, stop=self.stop,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-        )
-        params.constraint = self.constraint
-        return ReplicaRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            params=params,
-            priority=defaults.priority,
-            stop=self.stop or [],
-            stream=bool(self.stream),
-            logprob_texts=bool(self.logprobs),
-        )
+            constraint=self.constraint,
+        )  # fmt: skip
 
 
 def _check_messages(messages: list[ChatMessage]) -> None:

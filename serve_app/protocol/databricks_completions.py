@@ -32,7 +32,7 @@ from serve_app.protocol.fields import Stop
 from serve_app.protocol.openai_common import usage
 from serve_app.protocol.openai_completions import MAX_PROMPT_CHARS
 from serve_app.protocol.pd_refusals import refuse_in_pd
-from serve_app.protocol.sampling import openai_finish, sampling_params
+from serve_app.protocol.sampling import openai_finish, sampled_request
 
 MAX_PROMPTS = 128  # prompts in one batch request
 _PROMPT_RULE = (
@@ -110,21 +110,11 @@ class OnePrompt:
         self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
         b = self.body
-        params = sampling_params(
-            temperature=b.temperature,
-            top_k=b.top_k,
-            top_p=b.top_p,
-            max_tokens=defaults.limits.max_output_tokens(b.max_tokens),
-            n=b.n,
-        )
-        return ReplicaRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            params=params,
-            priority=defaults.priority,
-            stop=b.stop or [],
-            stream=bool(b.stream),
-        )
+        return sampled_request(
+            request_id, prompt, defaults,
+            temperature=b.temperature, top_p=b.top_p, top_k=b.top_k,
+            max_tokens=b.max_tokens, n=b.n, stream=b.stream, stop=b.stop,
+        )  # fmt: skip
 
 
 def _param(body: DatabricksCompletionRequest, index: int) -> str:

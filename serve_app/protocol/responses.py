@@ -25,7 +25,7 @@ from serve_app.protocol.errors import APIError, invalid
 from serve_app.protocol.fields import STRICT
 from serve_app.protocol.openai_common import StreamOptions, StreamUsage
 from serve_app.protocol.pd_refusals import refuse_in_pd
-from serve_app.protocol.sampling import sampling_params
+from serve_app.protocol.sampling import sampled_request
 from serve_app.protocol.structured_output import output_constraint
 from serve_app.protocol.tool_calls import (
     Tool,
@@ -185,21 +185,13 @@ class ResponsesRequest(StreamUsage, BaseModel):
     def replica_request(
         self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
-        params = sampling_params(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            max_tokens=defaults.limits.max_output_tokens(self.max_output_tokens),
+        return sampled_request(
+            request_id, prompt, defaults,
+            temperature=self.temperature, top_p=self.top_p,
+            max_tokens=self.max_output_tokens, stream=self.stream,
             logprobs=(self.top_logprobs or 0) if self.want_logprobs else None,
-        )
-        params.constraint = self.constraint
-        return ReplicaRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.prompt_token_ids,
-            params=params,
-            priority=defaults.priority,
-            stream=bool(self.stream),
-            logprob_texts=self.want_logprobs,
-        )
+            constraint=self.constraint,
+        )  # fmt: skip
 
 
 def _text(content: Any, where: str) -> str:

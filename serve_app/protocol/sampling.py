@@ -114,3 +114,41 @@ def parameters_request(
         timeout_s=defaults.timeout_of(params.timeout),
         **fields,
     )
+
+
+def sampled_request(
+    request_id: str,
+    prompt: TokenizedPrompt,
+    defaults: ServerDefaults,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    max_tokens: int | None,
+    stream: bool | None,
+    top_k: int | None = None,
+    n: int | None = None,
+    logprobs: int | None = None,
+    stop: list[str] | None = None,
+    constraint: Any = None,
+) -> ReplicaRequest:
+    """The replica request of a Databricks-style body (chat, completions, Responses): their
+    few sampling fields, the server's priority, max_tokens capped at maxIterTimes; `logprobs`
+    (top-N) also asks for the tokens' texts."""
+    params = sampling_params(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_tokens=defaults.limits.max_output_tokens(max_tokens),
+        n=n,
+        logprobs=logprobs,
+    )
+    params.constraint = constraint
+    return ReplicaRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt.prompt_token_ids,
+        params=params,
+        priority=defaults.priority,
+        stop=stop or [],
+        stream=bool(stream),
+        logprob_texts=logprobs is not None,
+    )

@@ -179,3 +179,26 @@ def test_pd_metrics(http):
         assert f'stage="{stage}"' in text, stage
     assert "kv_transfer_bytes_total" in text and "kv_handoff_seconds_bucket" in text
     assert 'kv_lost_total{model_name="demo"} 0.0' in text
+
+
+def test_databricks_family_under_pd(http, kv_idle_http):
+    """JSON output keeps its grammar across the prefill/decode hand-off; a batch of prompts runs
+    as one PD request each; what PD cannot run is refused in Databricks' shape."""
+    import jsonschema
+
+    schema = {"type": "object", "required": ["name", "tags"],
+              "properties": {"name": {"type": "string"},
+                             "tags": {"type": "array", "items": {"type": "string"}}}}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24,
+            "response_format": fmt}  # fmt: skip
+    invoke = "/serving-endpoints/demo/invocations"
+    r = http.post(invoke, json=body)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+    r = http.post(invoke, json={"prompt": ["a", "b"], "max_tokens": 3})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    r = http.post(invoke, json={**body, "n": 2})
+    assert r.status_code == 400 and r.json()["error_code"] == "BAD_REQUEST"
+    assert "not supported in PD" in r.json()["message"]
+    assert kv_idle_http()
