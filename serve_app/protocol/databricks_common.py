@@ -33,7 +33,7 @@ EMBEDDINGS_TASK = "llm/v1/embeddings"
 
 
 class DatabricksSampling(StreamUsage, BaseModel):
-    """The sampling fields chat and completions share, with the seed's ranges and defaults."""
+    """The sampling fields chat and completions share, with Databricks' documented ranges and defaults."""
 
     model_config = STRICT
 
