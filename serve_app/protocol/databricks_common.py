@@ -33,7 +33,8 @@ EMBEDDINGS_TASK = "llm/v1/embeddings"
 
 
 class DatabricksSampling(StreamUsage, BaseModel):
-    """The sampling fields chat and completions share, with Databricks' documented ranges and defaults."""
+    """The sampling fields chat and completions share, with Databricks' documented ranges and
+    defaults."""
 
     model_config = STRICT
 
