@@ -30,6 +30,7 @@ class ErrorKind(str, enum.Enum):
     TIMEOUT = "timeout"  # the request's timeout, tokenTimeout or e2eTimeout
     UNAVAILABLE = "unavailable"  # the server is not ready
     TOO_LARGE = "too_large"  # the body is over maxRequestLength
+    UNAUTHORIZED = "unauthorized"  # API keys are on and the request has none that matches
 
 
 def text_of(content: Any) -> str:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from serve_app.config.app import AppConfig
 from serve_app.config.backend import (
@@ -51,6 +52,9 @@ _SECTIONS.update(
 )
 
 
+API_KEYS_ENV = "SERVE_APP_API_KEYS"
+
+
 def load_config(source: dict | str | Path | None = None) -> AppConfig:
     """Build the AppConfig from a dict (Ray Serve `args`), a YAML/JSON file path, or defaults."""
     if source is None:
@@ -64,7 +68,7 @@ def load_config(source: dict | str | Path | None = None) -> AppConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
     try:
-        return AppConfig.model_validate(data)
+        return _with_env_keys(AppConfig.model_validate(data))
     except ValidationError as exc:
         errors = exc.errors()
         failed = {error["loc"][:i] for error in errors for i in range(len(error["loc"]))}
@@ -112,3 +116,20 @@ def _describe(error: dict) -> str:
     if kind != "value_error" and not isinstance(got, (dict, list)):
         message += f" (got {got!r})"
     return f"{path or '(top level)'}: {message}"
+
+
+def _with_env_keys(config: AppConfig) -> AppConfig:
+    """The config with the API keys of SERVE_APP_API_KEYS (comma-separated) added to
+    ServerConfig.apiKeys. Read where the app is built (`serve run`, `python -m serve_app`, the
+    process that runs build_app), and carried to the ingress replicas inside the frozen config,
+    so no other node needs the variable."""
+    keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    if not keys:
+        return config
+    if any(any(c.isspace() for c in key) for key in keys):
+        raise ConfigError(f"{API_KEYS_ENV}: a key may not contain spaces")
+    server = config.ServerConfig
+    merged = tuple(server.apiKeys) + tuple(SecretStr(key) for key in keys)
+    return config.model_copy(
+        update={"ServerConfig": server.model_copy(update={"apiKeys": merged})}
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from serve_app.engine.config import EngineConfig
 
@@ -44,6 +44,14 @@ class ServerConfig(BaseModel):
         ),
     )
     fullTextEnabled: bool = Field(False, description="Stream chunks carry the whole text so far.")
+    apiKeys: tuple[SecretStr, ...] = Field(
+        (),
+        description=(
+            "(extension) API keys: with any, every route but health and metrics needs "
+            "'Authorization: Bearer <key>'; the SERVE_APP_API_KEYS environment variable "
+            "(comma-separated) adds to them where the app is built. Empty: no keys asked."
+        ),
+    )
     inferMode: Literal["standard", "dmi"] = Field(
         "standard",
         description=(
@@ -80,6 +88,15 @@ class ServerConfig(BaseModel):
         ),
     )
     maxRequestLength: int = Field(40, ge=1, le=100, description="Largest request body, in MB.")
+
+    @field_validator("apiKeys")
+    @classmethod
+    def _keys(cls, keys):
+        for key in keys:
+            text = key.get_secret_value()
+            if not text or any(c.isspace() or c == "," for c in text):
+                raise ValueError("every key must be non-empty, without spaces or commas")
+        return keys
 
     @field_validator("ipAddress")
     @classmethod

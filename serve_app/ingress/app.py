@@ -19,6 +19,7 @@ from serve_app.ingress import (
     openai_routes,
     triton_routes,
 )
+from serve_app.ingress.api_keys import ApiKeys
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.pipeline import Pipeline
 from serve_app.ingress.request_body import RequestBody, error_response
@@ -32,7 +33,12 @@ ROUTERS = (
     openai_routes.router,
     triton_routes.router,
 )
-_HTTP_KINDS = {404: ErrorKind.NOT_FOUND, 413: ErrorKind.TOO_LARGE, 503: ErrorKind.UNAVAILABLE}
+_HTTP_KINDS = {
+    401: ErrorKind.UNAUTHORIZED,
+    404: ErrorKind.NOT_FOUND,
+    413: ErrorKind.TOO_LARGE,
+    503: ErrorKind.UNAVAILABLE,
+}
 
 
 def create_app(config: AppConfig, backend: Backend) -> FastAPI:
@@ -47,6 +53,9 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
     app.state.pipeline = Pipeline(config, backend)
     max_mb = config.ServerConfig.maxRequestLength
     app.add_middleware(RequestBody, max_bytes=max_mb * 1024 * 1024, max_mb=max_mb)
+    keys = [key.get_secret_value() for key in config.ServerConfig.apiKeys]
+    if keys:  # added last: the outermost, so a request without a key is not even read
+        app.add_middleware(ApiKeys, keys=keys)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

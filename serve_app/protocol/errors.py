@@ -55,6 +55,9 @@ _ENVELOPES: dict[ErrorKind, _Envelope] = {
     K.TOO_LARGE: _Envelope(
         (413, "Payload Too Large"), (413, "BadRequestError"), 413, (413, "BAD_REQUEST")
     ),
+    K.UNAUTHORIZED: _Envelope(
+        (401, "Unauthorized"), (401, "AuthenticationError"), 401, (401, "UNAUTHENTICATED")
+    ),
 }
 # MindIE words a timeout that fails the request before its response starts as an engine callback
 # timeout, whoever noticed it; a stream that already answered 200 reports it in the replica's

@@ -3,6 +3,8 @@ demo-tiny, shared by every route test of the session."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -74,17 +76,15 @@ def kv_idle(client):
     return check
 
 
-@pytest.fixture(scope="session")
-def live_url():
-    """The app (its own replicas) served over a real socket on 127.0.0.1, for clients that do
-    not speak httpx (the databricks-sdk uses requests)."""
+@contextlib.contextmanager
+def served(app):
+    """The app on a real socket on 127.0.0.1 (uvicorn in a thread): its base URL."""
     import socket
     import threading
     import time
 
     import uvicorn
 
-    app, replica = local_app(ROUTE_TEST_CONFIG)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -94,7 +94,45 @@ def live_url():
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def live_url():
+    """The app (its own replicas) served over a real socket, for clients that do not speak
+    httpx (the databricks-sdk uses requests)."""
+    app, replica = local_app(ROUTE_TEST_CONFIG)
+    with served(app) as url:
+        yield url
     replica.shutdown()
+
+
+API_KEYS = ("key-one", "key-two")
+
+
+@pytest.fixture(scope="module")
+def keyed_app():
+    """The app with API keys on (its own replicas)."""
+    import copy
+
+    args = copy.deepcopy(ROUTE_TEST_CONFIG)
+    args["ServerConfig"] = {"apiKeys": list(API_KEYS)}
+    app, replica = local_app(args)
+    yield app
+    replica.shutdown()
+
+
+@pytest.fixture(scope="module")
+def keyed_client(keyed_app):
+    with TestClient(keyed_app) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def serve_live():
+    """`served` for tests: a context manager putting an app on a real socket."""
+    return served
