@@ -9,7 +9,8 @@ its `__init__`, so resolving the name costs no import (the package depends on
 sentence-transformers, which we never need at serving time).
 
 BERT architecture: 6 layers, hidden 384, 12 heads, uncased WordPiece vocabulary of 30522,
-positions up to 512; sentence vectors are the mean of the token vectors, L2-normalised.
+positions up to 512, trained on inputs up to 256 tokens (the limit served); sentence vectors
+are the mean of the token vectors, L2-normalised.
 """
 
 from __future__ import annotations

@@ -182,6 +182,22 @@ def test_ray_serve_accepts_the_config(source):
     assert schema.applications[0].import_path == IMPORT_PATH
 
 
+@pytest.mark.parametrize("name", ["deployments.yaml", "deployments-pd.yaml", "bench/demo.yaml"])
+def test_the_shipped_serve_configs_validate_and_load(name):
+    """The README's `serve run` / `serve deploy` files and the benchmark's: Ray Serve's own
+    schema accepts them and their args load through our config model."""
+    from ray.serve.schema import ServeDeploySchema
+
+    serve_config = _yaml(ROOT / name)
+    schema = ServeDeploySchema.model_validate(serve_config)
+    (app,) = schema.applications
+    assert app.import_path == IMPORT_PATH and app.route_prefix == "/"
+    config = _load_args(serve_config["applications"][0]["args"])
+    embedding = [] if name.startswith("bench/") else ["all-minilm-l6-v2"]  # benchmarks: LLM only
+    assert config.model_names and config.embedding_names == embedding
+    assert config.ServerConfig.apiKeys == ()  # no key shipped in a file
+
+
 # start-node.sh
 
 
