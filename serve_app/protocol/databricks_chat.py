@@ -21,7 +21,7 @@ from serve_app.protocol.databricks_common import DatabricksSampling, TopLogprobs
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import invalid
 from serve_app.protocol.fields import STRICT, Stop
-from serve_app.protocol.openai_chat import MAX_MESSAGE_CHARS, Content
+from serve_app.protocol.openai_chat import MAX_MESSAGE_CHARS, Content, non_empty_messages
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import sampled_request
 from serve_app.protocol.structured_output import output_constraint
@@ -97,14 +97,8 @@ class ChatMessage(BaseModel):
         return out
 
 
-def _messages(value: list[ChatMessage]) -> list[ChatMessage]:
-    if not value:
-        raise ValueError("must be a non-empty list of messages")
-    return value
-
-
 class DatabricksChatRequest(DatabricksSampling):
-    messages: Annotated[list[ChatMessage], AfterValidator(_messages)] = Field(
+    messages: Annotated[list[ChatMessage], AfterValidator(non_empty_messages)] = Field(
         description="system (once, first), user, assistant (content or tool_calls), tool."
     )
     stop: Stop = Field(None, description="A string or a list of strings that end the reply.")

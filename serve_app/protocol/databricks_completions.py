@@ -15,9 +15,9 @@ completions).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import Field, PlainValidator, WithJsonSchema
+from pydantic import Field
 
 from serve_app.messages import (
     ChoiceDelta,
@@ -28,7 +28,7 @@ from serve_app.messages import (
 )
 from serve_app.protocol.databricks_common import DatabricksSampling
 from serve_app.protocol.defaults import ServerDefaults
-from serve_app.protocol.fields import Stop
+from serve_app.protocol.fields import Stop, StringOrStrings
 from serve_app.protocol.openai_common import usage
 from serve_app.protocol.openai_completions import MAX_PROMPT_CHARS
 from serve_app.protocol.pd_refusals import refuse_in_pd
@@ -41,29 +41,7 @@ _PROMPT_RULE = (
 )
 
 
-def _prompts(value: Any) -> list[str]:
-    prompts = [value] if isinstance(value, str) else value
-    if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS:
-        raise ValueError(_PROMPT_RULE)
-    for p in prompts:
-        if not isinstance(p, str) or not 0 < len(p) <= MAX_PROMPT_CHARS:
-            raise ValueError(_PROMPT_RULE)
-    return prompts
-
-
-Prompts = Annotated[
-    list[str],
-    PlainValidator(_prompts),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string", "minLength": 1, "maxLength": MAX_PROMPT_CHARS},
-                {"type": "array", "items": {"type": "string", "minLength": 1},
-                 "minItems": 1, "maxItems": MAX_PROMPTS},
-            ]
-        }
-    ),
-]  # fmt: skip
+Prompts = StringOrStrings(MAX_PROMPTS, _PROMPT_RULE, MAX_PROMPT_CHARS)
 
 
 class DatabricksCompletionRequest(DatabricksSampling):

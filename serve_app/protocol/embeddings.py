@@ -12,38 +12,17 @@ import base64
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, Field
 
 from serve_app.messages import EmbedRequest, EmbedResult
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import INT32_MAX, STRICT, Range
+from serve_app.protocol.fields import INT32_MAX, STRICT, Range, StringOrStrings
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 _INPUT_RULE = f"must be a non-empty string or a list of 1 to {MAX_INPUTS} non-empty strings"
 
 
-def _inputs(value: Any) -> list[str]:
-    texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not 1 <= len(texts) <= MAX_INPUTS:
-        raise ValueError(_INPUT_RULE)
-    if not all(isinstance(t, str) and t for t in texts):
-        raise ValueError(_INPUT_RULE)
-    return texts
-
-
-Inputs = Annotated[
-    list[str],
-    PlainValidator(_inputs),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1},
-                 "minItems": 1, "maxItems": MAX_INPUTS},
-            ]
-        }
-    ),
-]  # fmt: skip
+Inputs = StringOrStrings(MAX_INPUTS, _INPUT_RULE)
 
 
 class EmbeddingRequest(BaseModel):

@@ -102,3 +102,26 @@ STOP_SCHEMA = WithJsonSchema(
     }
 )
 Stop = Annotated[list[str] | None, PlainValidator(stop_strings), STOP_SCHEMA]
+
+
+def StringOrStrings(  # noqa: N802 - reads as a type annotation
+    max_items: int, rule: str, max_chars: int | None = None
+) -> Any:
+    """A field that takes one non-empty string or a list of 1 to `max_items` of them (each at
+    most `max_chars`), always read as a list; anything else is refused with `rule`."""
+
+    def check(value: Any) -> list[str]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not 1 <= len(items) <= max_items:
+            raise ValueError(rule)
+        for item in items:
+            if not isinstance(item, str) or not item or (max_chars and len(item) > max_chars):
+                raise ValueError(rule)
+        return items
+
+    one = {"type": "string", "minLength": 1}
+    if max_chars:
+        one["maxLength"] = max_chars
+    many = {"type": "array", "items": {"type": "string", "minLength": 1},
+            "minItems": 1, "maxItems": max_items}  # fmt: skip
+    return Annotated[list[str], PlainValidator(check), WithJsonSchema({"anyOf": [one, many]})]

@@ -86,7 +86,7 @@ class ChatMessage(BaseModel):
     content: Content
 
 
-def _messages(value: list[ChatMessage]) -> list[ChatMessage]:
+def non_empty_messages(value: list) -> list:
     if not value:
         raise ValueError("must be a non-empty list of messages")
     return value
@@ -99,7 +99,7 @@ class ChatCompletionRequest(StreamUsage, BaseModel):
         description="A served model name: 1 to 256 letters, digits, '.', '-', '_'; "
         "not starting or ending with '.', '-', '_'."
     )
-    messages: Annotated[list[ChatMessage], AfterValidator(_messages)] = Field(
+    messages: Annotated[list[ChatMessage], AfterValidator(non_empty_messages)] = Field(
         description="Roles system/user/assistant/tool; all contents together in (0, 512 KB]."
     )
     max_tokens: MaxTokens = Field(None, description="(0, 2147483647]; capped at maxIterTimes.")
