@@ -31,6 +31,7 @@ from serve_app.protocol.tool_calls import (
     check_tools,
     forced_tools,
     offered_names,
+    offered_tools,
 )
 from serve_app.structured import JsonConstraint
 
@@ -150,7 +151,7 @@ class DatabricksChatRequest(DatabricksSampling):
 
     def tokenize_request(self, model: str) -> TokenizeRequest:
         messages = [m.template_message() for m in self.messages]
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tool_names else None
+        tools = offered_tools(self.tools, self.tool_choice)
         return TokenizeRequest(
             model=model, kind="chat", messages=messages, param="messages", tools=tools
         )

@@ -33,6 +33,7 @@ from serve_app.protocol.tool_calls import (
     check_tools,
     forced_tools,
     offered_names,
+    offered_tools,
 )
 from serve_app.structured import JsonConstraint
 
@@ -176,7 +177,7 @@ class ResponsesRequest(StreamUsage, BaseModel):
         return out
 
     def tokenize_request(self, model: str) -> TokenizeRequest:
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tool_names else None
+        tools = offered_tools(self.tools, self.tool_choice)
         return TokenizeRequest(
             model=model, kind="chat", messages=self.messages(), param="input", tools=tools,
             truncate=self.truncation == "auto",

@@ -104,6 +104,13 @@ def offered_names(tools: list[Tool] | None, choice: ToolChoice | None) -> set[st
     return {t.function.name for t in tools}
 
 
+def offered_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[dict] | None:
+    """The tools as the chat template gets them; None when none is on offer."""
+    if offered_names(tools, choice) is None:
+        return None
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
 def forced_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[dict] | None:
     """The tools a call must be made to (a constrained reply), or None when the model chooses
     (or has no tools)."""
