@@ -31,6 +31,7 @@ class ErrorKind(str, enum.Enum):
     UNAVAILABLE = "unavailable"  # the server is not ready
     TOO_LARGE = "too_large"  # the body is over maxRequestLength
     UNAUTHORIZED = "unauthorized"  # API keys are on and the request has none that matches
+    OVERLOADED = "overloaded"  # maxLinkNum requests run and the admission queue is full
 
 
 def text_of(content: Any) -> str:

@@ -7,6 +7,7 @@ import pytest
 from serve_app.config import ConfigError, load_config
 from serve_app.replica.options import (
     SERVE_FAST_PATH_ENV,
+    admission_limits,
     ingress_options,
     model_replica_options,
     tokenizer_pool_options,
@@ -65,8 +66,14 @@ def test_ingress_and_tokenizer_pool_defaults_follow_mindie_limits():
         {"ServerConfig": {"maxLinkNum": 300}, "BackendConfig": {"tokenizerProcessNumber": 3}}
     )
     ingress = ingress_options(config)
-    assert (ingress["max_ongoing_requests"], ingress["max_queued_requests"]) == (300, 600)
+    # 300 running + 600 queued are counted inside the replica; Ray's limits leave room above
+    assert admission_limits(config) == (300, 600)
+    assert ingress["max_ongoing_requests"] >= 900 and ingress["max_queued_requests"] >= 1
     assert ingress["ray_actor_options"]["num_cpus"] == 0
+    split = load_config(
+        {"ServerConfig": {"maxLinkNum": 301}, "Deployments": {"Ingress": {"num_replicas": 2}}}
+    )
+    assert admission_limits(split) == (151, 302)  # per ingress replica, rounded up
     pool = tokenizer_pool_options(config)
     assert pool["num_replicas"] == 3 and pool["ray_actor_options"]["num_cpus"] == 0
 

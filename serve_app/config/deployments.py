@@ -70,8 +70,10 @@ class Deployments(BaseModel):
     Ingress: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
         description=(
-            "The FastAPI ingress. Defaults: 1 replica, max_ongoing_requests = "
-            "ServerConfig.maxLinkNum, max_queued_requests = 2 x maxLinkNum, num_cpus 0."
+            "The FastAPI ingress. Defaults: 1 replica, num_cpus 0; each replica runs "
+            "ServerConfig.maxLinkNum / num_replicas requests at once, queues twice as many and "
+            "refuses the rest (503, 429 on Databricks paths); Ray Serve's max_ongoing_requests "
+            "and max_queued_requests sit above that."
         ),
     )
     TokenizerPool: DeploymentOptions = Field(

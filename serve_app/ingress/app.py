@@ -19,12 +19,14 @@ from serve_app.ingress import (
     openai_routes,
     triton_routes,
 )
+from serve_app.ingress.admission import Admission
 from serve_app.ingress.api_keys import ApiKeys
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.pipeline import Pipeline
 from serve_app.ingress.request_body import RequestBody, error_response
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
+from serve_app.replica.options import admission_limits
 
 ROUTERS = (
     admin_routes.router,
@@ -51,6 +53,8 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
         version="0.1.0",
     )
     app.state.pipeline = Pipeline(config, backend)
+    limit, queue = admission_limits(config)
+    app.add_middleware(Admission, limit=limit, queue=queue)  # inside the body reader
     max_mb = config.ServerConfig.maxRequestLength
     app.add_middleware(RequestBody, max_bytes=max_mb * 1024 * 1024, max_mb=max_mb)
     keys = [key.get_secret_value() for key in config.ServerConfig.apiKeys]

@@ -58,6 +58,11 @@ _ENVELOPES: dict[ErrorKind, _Envelope] = {
     K.UNAUTHORIZED: _Envelope(
         (401, "Unauthorized"), (401, "AuthenticationError"), 401, (401, "UNAUTHENTICATED")
     ),
+    # Databricks answers over-limit requests with 429, which its SDK retries after Retry-After
+    K.OVERLOADED: _Envelope(
+        (503, "Service Unavailable"), (503, "ServiceUnavailableError"), 503,
+        (429, "REQUEST_LIMIT_EXCEEDED"),
+    ),  # fmt: skip
 }
 # MindIE words a timeout that fails the request before its response starts as an engine callback
 # timeout, whoever noticed it; a stream that already answered 200 reports it in the replica's

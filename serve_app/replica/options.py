@@ -121,15 +121,26 @@ def tokenizer_pool_options(config: AppConfig) -> dict[str, Any]:
 
 
 def ingress_options(config: AppConfig) -> dict[str, Any]:
-    link = config.ServerConfig.maxLinkNum
+    limit, queue = admission_limits(config)
     defaults = {
         "num_replicas": 1,
-        # MindIE: maxLinkNum requests served at once, twice as many queued, the rest refused.
-        "max_ongoing_requests": link,
-        "max_queued_requests": 2 * link,
+        # MindIE's maxLinkNum running + twice as many queued is enforced inside each replica
+        # (ingress/admission.py), which refuses in the family's envelope; Ray Serve's limits sit
+        # above it so that overflow reaches the replica instead of Ray's plain-text 503.
+        "max_ongoing_requests": 2 * (limit + queue),
+        "max_queued_requests": limit,
         "ray_actor_options": {"num_cpus": 0},
     }
     return _merge(defaults, config.Deployments.Ingress)
+
+
+def admission_limits(config: AppConfig) -> tuple[int, int]:
+    """(requests running, requests waiting) one ingress replica admits: maxLinkNum and twice
+    as many, split over Deployments.Ingress.num_replicas (rounded up; autoscaled: not split)."""
+    replicas = config.Deployments.Ingress.num_replicas
+    link = config.ServerConfig.maxLinkNum
+    limit = -(-link // replicas) if isinstance(replicas, int) and replicas > 0 else link
+    return limit, 2 * limit
 
 
 def embedding_replica_options(config: AppConfig) -> dict[str, Any]:
