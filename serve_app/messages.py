@@ -194,7 +194,6 @@ class ReplicaChunk:
             by_index[delta.index].absorb(delta)
         self.choices = [by_index[i] for i in sorted(by_index)]
 
-
     def cut_short(self) -> ReplicaChunk:
         """This chunk, which ended its request with a timeout, as what it generated: not
         finished, its timed-out choices without a finish reason (for a caller that returns

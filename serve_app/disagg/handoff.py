@@ -78,8 +78,10 @@ async def fetch_kv(
             message = f"request timed out after {timeout_s:g} s (its timeout) in the KV hand-off"
             raise HandoffFailed(ErrorKind.TIMEOUT, message) from None
         if kv_loss_policy == "fail":
+            logger.warning("KV of %s lost (%r): failing the request", request_id, exc)
             message = (
-                f"the prompt's KV cache could not be fetched from the prefill replica ({exc!r}); "
+                "the prompt's KV cache could not be fetched from the prefill replica "
+                f"({type(exc).__name__}); "
                 "kv_loss_policy is 'fail', so it is not recomputed"
             )
             raise HandoffFailed(ErrorKind.ENGINE, message, lost=True) from None

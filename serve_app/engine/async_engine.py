@@ -14,6 +14,7 @@ step's output as soon as it exists.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,8 @@ from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
 from serve_app.engine.step_loop import IDLE_WAIT_S, run_steps
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -53,6 +56,7 @@ class AsyncEngine:
         self.info = EngineInfo.of(self.engine)
         self._tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -131,6 +135,9 @@ class AsyncEngine:
                 return
             self._process.send(message)
             return
+        if message[0] == "add" and self._stopped:
+            self._deliver_all([(message[1].request_id, EngineError("the engine is not running"))])
+            return
         self._inbox.put(message)
         self._wake.set()
 
@@ -163,7 +170,14 @@ class AsyncEngine:
                 return messages
 
     def _run(self) -> None:
-        run_steps(self.engine, self._receive, self._deliver_all)
+        try:
+            run_steps(self.engine, self._receive, self._deliver_all)
+        except BaseException:
+            logger.exception("the engine loop crashed")
+        finally:
+            # stopped or dead: nothing will answer a stream any more, so fail those left
+            self._stopped = True
+            self._fail_all("the engine loop is not running")
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:

@@ -3,16 +3,23 @@
 Messages in: ("add", EngineRequest), ("abort", request_id), ("stop", None). Out, once per loop
 turn that produced anything: a list of (request id, RequestOutput or exception), the outputs of
 one step plus what adding and aborting gave (a refusal, an aborted request's last output).
+
+A step that raises ends the loop: its requests fail with an `EngineError` (the details go to the
+log), and the loop returns, since the engine's state (KV pool, device) can no longer be trusted.
+The replica's health check then fails and Ray Serve replaces it (as vLLM's engine goes dead).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 
+logger = logging.getLogger(__name__)
 Items = list[tuple[str, object]]
 IDLE_WAIT_S = 0.5  # longest wait for a message while there is nothing to step
 
@@ -38,10 +45,16 @@ def run_steps(
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
-            except Exception as exc:  # a failed step fails its requests, not the server
-                for request_id in list(engine.requests):
-                    engine.abort(request_id)
-                    items.append((request_id, EngineError(f"engine step failed: {exc!r}")))
+            except Exception:  # the engine is dead: its requests fail, the loop ends
+                failed = list(engine.requests)
+                logger.exception("an engine step failed; failing requests %s", failed)
+                message = "an engine step failed; the replica's log has the details"
+                for request_id in failed:
+                    with contextlib.suppress(Exception):  # give their blocks back if it can
+                        engine.abort(request_id)
+                    items.append((request_id, EngineError(message)))
+                deliver(items)
+                return
             else:
                 items.extend((output.request_id, output) for output in outputs)
         if items:
@@ -54,9 +67,11 @@ def _add(engine: LLMEngine, request: EngineRequest, items: Items) -> None:
     except RequestRejected as exc:
         items.append((request.request_id, exc))
         return
-    except Exception as exc:  # e.g. a malformed handed-over generator state: this request
+    except Exception:  # e.g. a malformed handed-over generator state: this request
         # fails, the loop (and every other request) goes on
-        items.append((request.request_id, EngineError(f"the engine could not add it: {exc!r}")))
+        logger.exception("the engine could not add request %s", request.request_id)
+        message = "the engine could not add the request; the replica's log has the details"
+        items.append((request.request_id, EngineError(message)))
         return
     if request.imported is not None:
         # The engine keeps the KV payload only until it is written into the pool; the

@@ -24,6 +24,7 @@ from serve_app.ingress.api_keys import ApiKeys
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.pipeline import Pipeline
 from serve_app.ingress.request_body import RequestBody, error_response
+from serve_app.ingress.request_ids import RequestIds
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
 from serve_app.replica.options import admission_limits
@@ -43,7 +44,9 @@ _HTTP_KINDS = {
 }
 
 
-def create_app(config: AppConfig, backend: Backend) -> FastAPI:
+def create_app(config: AppConfig, backend: Backend, echo_request_ids: bool = True) -> FastAPI:
+    """echo_request_ids: add the X-Request-ID response header (off behind Ray Serve's proxy,
+    which adds it itself)."""
     app = FastAPI(
         title="serve_app",
         description=(
@@ -58,16 +61,13 @@ def create_app(config: AppConfig, backend: Backend) -> FastAPI:
     max_mb = config.ServerConfig.maxRequestLength
     app.add_middleware(RequestBody, max_bytes=max_mb * 1024 * 1024, max_mb=max_mb)
     keys = [key.get_secret_value() for key in config.ServerConfig.apiKeys]
-    if keys:  # added last: the outermost, so a request without a key is not even read
+    if keys:  # a request without a key is not even read
         app.add_middleware(ApiKeys, keys=keys)
+    app.add_middleware(RequestIds, echo=echo_request_ids)  # the outermost: every answer has one
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return _render(request, exc)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):  # a bug: still the family's envelope
-        return _render(request, APIError(ErrorKind.ENGINE, f"internal error: {exc!r}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

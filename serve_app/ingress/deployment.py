@@ -41,4 +41,4 @@ class Ingress:
         self.backend.replica_deployments = list(replica_deployments)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.config, self.backend)
+        return create_app(self.config, self.backend, echo_request_ids=False)  # Ray's proxy does

@@ -13,7 +13,8 @@ from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 
-from serve_app.messages import ErrorKind, ReplicaChunk
+from serve_app.ingress.request_ids import internal_error
+from serve_app.messages import ReplicaChunk
 from serve_app.protocol.errors import APIError, Family
 
 DONE = "data: [DONE]\n\n"
@@ -68,8 +69,7 @@ async def rendered(
                 for payload in render(chunk):
                     yield frame(payload)
     except Exception as exc:  # a bug, too, must end the stream in the family's envelope
-        error = exc if isinstance(exc, APIError) else None
-        error = error or APIError(ErrorKind.ENGINE, f"internal error: {exc!r}")
+        error = exc if isinstance(exc, APIError) else internal_error(exc)
         payload = error_event(error) if error_event else error.body(family, in_stream=True)
         yield frame(payload)
     if done:

@@ -73,7 +73,8 @@ class EmbeddingReplica:
             return await self._batcher.submit(req)
         except Exception as exc:  # the forward pass failed: a server error, still a value
             logger.exception("embedding replica %s: a batch failed", self.replica_id)
-            return Rejection(req.param, f"embedding failed: {exc!r}", ErrorKind.ENGINE)
+            message = f"embedding failed ({type(exc).__name__}); the replica's log has the details"
+            return Rejection(req.param, message, ErrorKind.ENGINE)
 
     async def stats(self) -> dict:
         return {

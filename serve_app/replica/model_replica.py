@@ -149,7 +149,10 @@ class ModelReplica:
             transfer = await self.connector.send(output.kv_payload)
         except Exception as exc:
             logger.exception("staging the KV of %s failed", req.request_id)
-            message = f"staging the prompt's KV cache for decode failed: {exc!r}"
+            message = (
+                f"staging the prompt's KV cache for decode failed ({type(exc).__name__}); the "
+                f"prefill replica's log has the details (request {req.request_id})"
+            )
             return PrefillResult(self._final(processor.error_chunk(ErrorKind.ENGINE, message)))
         chunk.kv_bytes = transfer.nbytes
         chunk.replica_id = self.replica_id
@@ -281,7 +284,8 @@ def _error_chunk(processor: OutputProcessor, exc: Exception, request_id: str) ->
     if isinstance(exc, EngineError):
         return processor.error_chunk(ErrorKind.ENGINE, str(exc))
     logger.exception("request %s failed in the replica", request_id, exc_info=exc)
-    return processor.error_chunk(ErrorKind.ENGINE, f"replica error: {exc!r}")
+    message = f"the model replica failed; its log has the details (request {request_id})"
+    return processor.error_chunk(ErrorKind.ENGINE, message)
 
 
 def _deadline(req: ReplicaRequest) -> float | None:

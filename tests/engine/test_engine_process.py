@@ -139,3 +139,42 @@ def test_an_engine_process_that_cannot_start_says_why(config, message):
 def test_engine_cpus_need_the_process():
     with pytest.raises(ValueError, match="engineCpus needs engineProcess"):
         CONFIG.replace(engine_cpus=(0,))
+
+
+def test_a_failed_step_ends_the_thread_engine_its_requests_and_refuses_new_ones(caplog):
+    """A step that raises leaves an engine whose state cannot be trusted: its requests fail
+    with a message free of internals (the details are logged), the loop ends so that the health
+    check replaces the replica, and a new request fails at once instead of waiting forever."""
+    engine = AsyncEngine(CONFIG)
+    steps = 0
+    real_step = engine.engine.step
+
+    def failing_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise RuntimeError("index out of range in /opt/secret/kernel.py")
+        return real_step()
+
+    engine.engine.step = failing_step
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        runs = [_tokens(engine, f"r{i}", PROMPTS[i], params) for i in range(2)]
+        return await asyncio.gather(*runs, return_exceptions=True)
+
+    try:
+        with caplog.at_level("ERROR"):
+            results = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        for result in results:
+            assert isinstance(result, EngineError) and "engine step failed" in str(result)
+            assert "secret" not in str(result)
+        assert any("/opt/secret/kernel.py" in r.exc_text for r in caplog.records if r.exc_text)
+        engine._thread.join(timeout=10)  # the loop ends once it has delivered the failures
+        assert not engine.is_running
+        with pytest.raises(EngineError, match="not running"):
+            asyncio.run(asyncio.wait_for(_tokens(engine, "after", PROMPTS[0]), timeout=10))
+        stats = engine.stats()
+        assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        engine.shutdown()
