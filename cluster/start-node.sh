@@ -10,6 +10,13 @@
 # module, but saying the count here keeps it explicit and works where acl is not importable.
 # A head with no NPUs advertises none, so nothing that needs an NPU is placed there.
 # --dry-run prints the `ray start` command instead of running it.
+#
+# Token authentication: Ray 2.60's `ray start --head` turns it on by default, while its CLI
+# (`serve deploy`, `serve status`, ...) sends the token only when RAY_AUTH_MODE=token. This
+# script starts Ray with RAY_AUTH_MODE=token unless the variable says otherwise; export the same
+# in the shells that run Ray's CLI. A worker needs the head's token: ~/.ray/auth_token copied
+# from the head (or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH). RAY_AUTH_MODE=disabled on every node
+# and CLI turns it off.
 set -euo pipefail
 
 CANN_ENV="${CANN_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}"
@@ -109,6 +116,18 @@ fi
 [[ "$npus" =~ ^[0-9]+$ ]] || die "--npus must be a whole number >= 0, got '$npus'"
 npus=$((10#$npus))
 
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+if [[ "$role" == worker && "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
+    token_file="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
+    if [[ ! -s "$token_file" ]]; then
+        message="token authentication is on and $token_file is missing: copy the head's"
+        message+=" ~/.ray/auth_token there (or set RAY_AUTH_TOKEN), or set RAY_AUTH_MODE=disabled"
+        message+=" on every node and CLI"
+        [[ "$dry_run" -eq 1 ]] || die "$message"
+        echo "start-node.sh: warning: $message" >&2
+    fi
+fi
+
 cmd=(ray start)
 if [[ "$role" == head ]]; then
     cmd+=(--head "--port=$port" --dashboard-host=0.0.0.0)
@@ -127,7 +146,7 @@ fi
 cmd+=("${extra[@]}")
 
 if [[ "$dry_run" -eq 1 ]]; then
-    words=()
+    words=("RAY_AUTH_MODE=$(quote "$RAY_AUTH_MODE")")
     for arg in "${cmd[@]}"; do
         words+=("$(quote "$arg")")
     done

@@ -212,9 +212,11 @@ def fake_path(tmp_path):
     return bin_dir
 
 
-def _start_node(bin_dir: Path | None, *args: str) -> subprocess.CompletedProcess:
+def _start_node(
+    bin_dir: Path | None, *args: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
     path = f"{bin_dir}:/usr/bin:/bin" if bin_dir else "/usr/bin:/bin"
-    env = {"PATH": path, "CANN_ENV": "/nonexistent/set_env.sh", "HOME": "/tmp"}
+    env = {"PATH": path, "CANN_ENV": "/nonexistent/set_env.sh", "HOME": "/tmp", **(env or {})}
     return subprocess.run(
         ["bash", str(START_NODE), *args], capture_output=True, text=True, env=env, timeout=10
     )
@@ -223,8 +225,8 @@ def _start_node(bin_dir: Path | None, *args: str) -> subprocess.CompletedProcess
 def _ray_start(result: subprocess.CompletedProcess) -> list[str]:
     assert result.returncode == 0, result.stderr
     words = shlex.split(result.stdout)
-    assert words[:2] == ["ray", "start"]
-    return words
+    assert words[:3] == ["RAY_AUTH_MODE=token", "ray", "start"]  # the CLI's mode made explicit
+    return words[1:]
 
 
 def _resources(words: list[str]) -> dict | None:
@@ -264,6 +266,20 @@ def test_start_node_head_without_npus_advertises_none():
     assert _resources(words) is None
     words = _ray_start(_start_node(None, "head", "--npus", "0", "--dry-run"))
     assert _resources(words) == {"NPU": 0}
+
+
+def test_a_worker_without_the_heads_token_is_refused_with_the_fix(fake_path, tmp_path):
+    args = ("worker", "--head-address", "h:6379")
+    home = {"HOME": str(tmp_path)}  # no ~/.ray/auth_token
+    result = _start_node(fake_path, *args, env=home)
+    assert result.returncode == 2 and "copy the head's ~/.ray/auth_token" in result.stderr
+    dry = _start_node(fake_path, *args, "--dry-run", env=home)
+    assert dry.returncode == 0 and "warning: token authentication is on" in dry.stderr
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t" * 32)
+    assert "warning" not in _start_node(fake_path, *args, "--dry-run", env=home).stderr
+    off = _start_node(fake_path, *args, "--dry-run", env={**home, "RAY_AUTH_MODE": "disabled"})
+    assert shlex.split(off.stdout)[0] == "RAY_AUTH_MODE=disabled" and not off.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,177 @@
+"""The README's Ray CLI commands, run as a user runs them: `serve run deployments.yaml` (and the
+PD file), and on a started cluster `ray start --head`, `serve deploy`, `serve status`, `serve
+shutdown`. Each starts Ray of its own in a subprocess (its own process group, stopped by id at
+the end), on a copy of the YAML that differs only in a free HTTP port. Slow: a few minutes in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+READY_S = 300  # Ray, the model and the embedding replicas loading on 2 cores
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config_copy(name: str, tmp_path: Path) -> tuple[Path, str]:
+    """The YAML with only its HTTP port changed (a developer's server may hold 8000)."""
+    spec = yaml.safe_load((ROOT / name).read_text())
+    port = _free_port()
+    spec["http_options"]["port"] = port
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path, f"http://127.0.0.1:{port}"
+
+
+def _env(**extra: str) -> dict:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **extra}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _wait_ready(base: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + READY_S
+    while _get(f"{base}/v2/health/ready") != 200:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the command exited ({process.returncode}) before it served")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{base} was not ready after {READY_S} s")
+        time.sleep(1)
+
+
+def _answers(base: str) -> None:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
+        model = json.loads(response.read())["data"][0]["id"]
+    done = _post(f"{base}/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 4})
+    assert done["usage"]["completion_tokens"] == 4
+    chat = _post(
+        f"{base}/v1/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    )
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+
+
+def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _stop(process: subprocess.Popen, sig: int = signal.SIGINT, wait_s: float = 90) -> None:
+    """Stop a command we started, by its process group: a signal it handles, then kill."""
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+        try:
+            process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # what it left behind in its group
+    except ProcessLookupError:
+        pass
+    process.wait(10)
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+
+@pytest.mark.parametrize("name", ["deployments.yaml", "deployments-pd.yaml"])
+def test_serve_run_starts_the_yaml_and_answers(name, tmp_path):
+    config, base = _config_copy(name, tmp_path)
+    log = tmp_path / "serve-run.log"
+    process = _start([str(BIN / "serve"), "run", str(config)], _env(), log)
+    try:
+        _wait_ready(base, process)
+        _answers(base)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- serve run output ---\n{_tail(log)}") from None
+    finally:
+        _stop(process)
+
+
+def test_ray_start_then_serve_deploy_status_shutdown(tmp_path):
+    """The README's cluster path: with RAY_AUTH_MODE=token exported (Ray 2.60's `ray start`
+    turns token auth on; its CLI sends the token only in that mode)."""
+    config, base = _config_copy("deployments.yaml", tmp_path)
+    dashboard = f"http://127.0.0.1:{_free_port()}"
+    env = _env(RAY_AUTH_MODE="token")
+    log = tmp_path / "ray-start.log"
+    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    head = _start(
+        [
+            str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2",
+            f"--port={_free_port()}", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard.rsplit(':', 1)[1]}",
+            f"--temp-dir={ray_dir}",  # short: Ray's socket paths must fit 107 bytes
+        ],
+        env, log,
+    )  # fmt: skip
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "serve"), *args, "--address", dashboard],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    try:
+        deadline = time.monotonic() + 120
+        while (deployed := serve("deploy", str(config))).returncode != 0:
+            assert time.monotonic() < deadline and head.poll() is None, deployed.stderr[-2000:]
+            time.sleep(2)  # the dashboard is still starting
+        _wait_ready(base)
+        status = serve("status")
+        assert status.returncode == 0 and "RUNNING" in status.stdout, status.stderr[-2000:]
+        _answers(base)
+        down = serve("shutdown", "-y")
+        assert down.returncode == 0, down.stderr[-2000:]
+        deadline = time.monotonic() + 60
+        while _get(f"{base}/health") == 200:  # the app goes away
+            assert time.monotonic() < deadline, "the app still answers after serve shutdown"
+            time.sleep(1)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- ray start output ---\n{_tail(log)}") from None
+    finally:
+        _stop(head, signal.SIGTERM)
+        shutil.rmtree(ray_dir, ignore_errors=True)
