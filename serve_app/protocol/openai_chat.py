@@ -25,7 +25,7 @@ from serve_app.messages import (
 )
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import STRICT, Range, Stop
+from serve_app.protocol.fields import STRICT, Range, Stop, describe_range
 from serve_app.protocol.openai_common import (
     MaxTokens,
     ModelName,
@@ -102,8 +102,12 @@ class ChatCompletionRequest(StreamUsage, BaseModel):
     messages: Annotated[list[ChatMessage], AfterValidator(non_empty_messages)] = Field(
         description="Roles system/user/assistant/tool; all contents together in (0, 512 KB]."
     )
-    max_tokens: MaxTokens = Field(None, description="(0, 2147483647]; capped at maxIterTimes.")
-    max_completion_tokens: MaxTokens = Field(None, description="OpenAI's newer max_tokens.")
+    max_tokens: MaxTokens = Field(
+        None, description="(0, maxIterTimes], default maxIterTimes; larger is refused."
+    )
+    max_completion_tokens: MaxTokens = Field(
+        None, description="OpenAI's newer max_tokens, the same range."
+    )
     presence_penalty: Penalty = Field(None, description="[-2.0, 2.0], default 0.0.")
     frequency_penalty: Penalty = Field(None, description="[-2.0, 2.0], default 0.0.")
     seed: Seed = Field(None, description="(0, 18446744073709551615]; absent: random.")
@@ -160,7 +164,12 @@ class ChatCompletionRequest(StreamUsage, BaseModel):
     def replica_request(
         self, request_id: str, prompt: TokenizedPrompt, defaults: ServerDefaults
     ) -> ReplicaRequest:
-        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        param = "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
+        max_tokens = getattr(self, param)
+        limit = defaults.limits.max_iter_times
+        if max_tokens is not None and max_tokens > limit:  # chat's range is (0, maxIterTimes]
+            range_ = describe_range(0, limit, low_open=True)
+            raise invalid(param, f"{range_} (maxIterTimes), got {max_tokens}")
         params = sampling_params(
             temperature=self.temperature,
             top_k=self.top_k,

@@ -104,9 +104,9 @@ class TokenLimits:
     def max_output_tokens(self, max_tokens: int | None) -> int:
         """Output tokens allowed: min(maxIterTimes, max_tokens); absent -> maxIterTimes.
 
-        The request's own range ((0, 2147483647]) is the protocol's to check. A max_tokens above
-        maxIterTimes is clamped, not refused: the documented output is min(maxIterTimes,
-        max_tokens) for every route (docs/apis.md#token-count-rules).
+        The request's own range is the protocol's to check: OpenAI-style chat refuses more than
+        maxIterTimes (its range is (0, maxIterTimes]); the other routes document their output as
+        min(maxIterTimes, max_tokens) and are capped here (docs/apis.md#token-count-rules).
         """
         return output_cap(self.max_iter_times, max_tokens)
 

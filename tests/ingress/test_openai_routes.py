@@ -329,11 +329,18 @@ def test_chat_include_usage_n_and_logprobs(client, kv_idle):
     assert kv_idle()
 
 
-def test_chat_max_tokens_is_clamped_to_max_iter_times(client, kv_idle):
-    request = {**CHAT, "max_tokens": I32, "ignore_eos": True, "top_k": 1}
+def test_chat_max_tokens_is_refused_above_max_iter_times(client, kv_idle):
+    """Chat's documented range is (0, maxIterTimes]: unlike /v1/completions, no cap."""
+    request = {**CHAT, "max_tokens": 64, "ignore_eos": True, "top_k": 1}
     body = client.post("/v1/chat/completions", json=request).json()
     assert body["usage"]["completion_tokens"] == 64  # maxIterTimes of the route test config
     assert body["choices"][0]["finish_reason"] == "length"
+    for value in (65, I32):
+        refused = client.post("/v1/chat/completions", json={**request, "max_tokens": value})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "max_tokens"
+        assert error["message"] == f"max_tokens must be in (0, 64] (maxIterTimes), got {value}"
     assert kv_idle()
 
 

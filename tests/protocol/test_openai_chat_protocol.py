@@ -88,13 +88,18 @@ def test_sampling_params_and_defaults():
     assert p.max_tokens == 64 and p.logprobs is None and req.skip_special_tokens
     assert req.priority == 5 and req.stop == [] and req.stream is False
     req = parse(
-        max_tokens=10**6, temperature=0.5, top_p=0.9, top_k=-1, seed=2**64 - 1, n=3,
+        max_tokens=64, temperature=0.5, top_p=0.9, top_k=-1, seed=2**64 - 1, n=3,
         stop=["a", "b"], stop_token_ids=[7, 2**40, -1], logprobs=True, top_logprobs=3,
         priority=1, stream=True, skip_special_tokens=False, presence_penalty=-2,
         frequency_penalty=2, repetition_penalty=1.5, ignore_eos=True,
     ).replica_request("r", prompt, DEFAULTS)  # fmt: skip
     p = req.params
-    assert p.max_tokens == 64  # clamped to maxIterTimes
+    assert p.max_tokens == 64  # maxIterTimes itself is in range
+    for field in ("max_tokens", "max_completion_tokens"):  # (0, maxIterTimes]: more is refused
+        with pytest.raises(
+            APIError, match=rf"^{field} must be in \(0, 64\] \(maxIterTimes\), got 65$"
+        ):
+            parse(**{field: 65}).replica_request("r", prompt, DEFAULTS)
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.n, p.best_of) == (
         0.5, 0.9, 0, 2**64 - 1, 3, 3,
     )  # fmt: skip
