@@ -78,9 +78,10 @@ class TokenizedPrompt:
 
 @dataclass(slots=True)
 class Rejection:
-    """A request refused before any model work: the parameter, why, and its allowed range."""
+    """A request refused before any model work: the parameter (None when none is at fault),
+    why, and its allowed range."""
 
-    param: str
+    param: str | None
     message: str
     kind: ErrorKind = ErrorKind.VALIDATION
 

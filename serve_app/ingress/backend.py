@@ -15,6 +15,7 @@ from serve_app.messages import (
     DecodeRequest,
     EmbedRequest,
     EmbedResult,
+    ErrorKind,
     PrefillResult,
     Rejection,
     ReplicaChunk,
@@ -110,7 +111,19 @@ class RayBackend(_Targets):
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
-        return await self.tokenizer_pool.tokenize.remote(req)
+        """Tokenizing has no side effect: a pool replica that died under the call is retried
+        once on another; if that fails too, the request is refused as unavailable (503)."""
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self.tokenizer_pool.tokenize.remote(req)
+        except RayActorError:
+            pass
+        try:
+            return await self.tokenizer_pool.tokenize.remote(req)
+        except RayActorError:
+            message = "no tokenizer pool replica is available now; retry later"
+            return Rejection(None, message, ErrorKind.UNAVAILABLE)
 
     def generate(self, model: str, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]:
         return _stream(self.replicas[model].options(stream=True).generate.remote(req))

@@ -1,0 +1,177 @@
+"""Faults over real HTTP on the Ray cluster: a model replica killed mid-stream, an engine process
+killed inside a live replica, a tokenizer pool replica killed, and readiness while a model
+replica cannot be placed yet. Each affected client gets an error (event or response) within
+seconds, Ray Serve replaces what died, and new requests succeed once it is back. Slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from serve_helpers import SERVE_TEST_ARGS, deploy
+
+pytestmark = pytest.mark.slow
+
+FAULT_ARGS = copy.deepcopy(SERVE_TEST_ARGS)
+FAULT_ARGS.pop("EmbeddingConfig")
+FAULT_ARGS["BackendConfig"]["tokenizerProcessNumber"] = 2
+FAULT_ARGS["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 8192
+FAULT_ARGS["BackendConfig"]["ScheduleConfig"].update(maxIterTimes=4096, kvCacheBlocks=1024)
+LONG = {"model": "demo", "prompt": "tell me a long story", "max_tokens": 4000,
+        "ignore_eos": True, "stream": True}  # fmt: skip
+ERROR_WITHIN_S = 5.0
+BACK_WITHIN_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def app(cluster):
+    from ray import serve
+
+    yield deploy(cluster, FAULT_ARGS)
+    serve.delete("serve_app")
+
+
+def _actors(deployment: str) -> list[dict]:
+    import ray
+
+    return [
+        a for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]
+    ]  # fmt: skip
+
+
+def _kill(actor: dict) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
+
+
+def _stream_until_fault(url: str, fault) -> tuple[list[dict], float]:
+    """A long completion stream; after its first token `fault()` runs. Returns the events and
+    the seconds from the fault to the stream's end."""
+    events: list[dict] = []
+    faulted_at = None
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=LONG) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if faulted_at is None:
+                    fault()
+                    faulted_at = time.monotonic()
+    assert faulted_at is not None
+    return events, time.monotonic() - faulted_at
+
+
+def _serves_again(url: str) -> None:
+    """Ready again and a request succeeds, within BACK_WITHIN_S."""
+    deadline = time.monotonic() + BACK_WITHIN_S
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
+    while time.monotonic() < deadline:
+        try:
+            ready = httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200
+            if ready and httpx.post(f"{url}/v1/completions", json=body, timeout=30).is_success:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"the app did not serve again within {BACK_WITHIN_S:.0f} s")
+
+
+def test_a_model_replica_killed_mid_stream_ends_the_stream_and_is_replaced(app):
+    (replica,) = _actors("ModelReplica")
+    events, ended_s = _stream_until_fault(app, lambda: _kill(replica))
+    assert ended_s < ERROR_WITHIN_S
+    error = events[-1]["error"]
+    assert "a replica serving the request failed" in error["message"]
+    assert "request id" in error["message"] and "Traceback" not in error["message"]
+    _serves_again(app)
+    assert [a["name"] for a in _actors("ModelReplica")] != [replica["name"]]  # a new one
+
+
+def _engine_processes() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if "engine_process import _child_main" in " ".join(proc.info["cmdline"] or []):
+            parent = proc.parent()
+            if parent is not None and "ModelReplica" in " ".join(parent.cmdline()):
+                found.append(proc)
+    return found
+
+
+def test_an_engine_process_killed_inside_a_live_replica_fails_its_requests_and_is_replaced(app):
+    _serves_again(app)  # the replica of the test before is up
+    (engine,) = _engine_processes()
+    (replica,) = _actors("ModelReplica")
+    events, ended_s = _stream_until_fault(app, engine.kill)
+    assert ended_s < ERROR_WITHIN_S
+    assert "engine process exited" in events[-1]["error"]["message"]
+    # the replica is alive but its engine is not: its health check fails and Serve replaces it
+    _serves_again(app)
+    deadline = time.monotonic() + BACK_WITHIN_S
+    while [a["name"] for a in _actors("ModelReplica")] == [replica["name"]]:
+        assert time.monotonic() < deadline, "the replica without an engine was not replaced"
+        time.sleep(1)
+
+
+def test_a_tokenizer_replica_killed_leaves_requests_to_the_other(app):
+    _serves_again(app)
+    pool = _actors("TokenizerPool")
+    assert len(pool) == 2
+    _kill(pool[0])
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
+    started = time.monotonic()
+    results = [httpx.post(f"{app}/v1/completions", json=body, timeout=30) for _ in range(6)]
+    assert time.monotonic() - started < 30
+    # served by the other replica (a call that met the dead one is retried there) or, when no
+    # replica can take it, refused at once with 503; never a 500
+    assert {r.status_code for r in results} <= {200, 503}, [r.text for r in results]
+    assert results[-1].status_code == 200
+    _serves_again(app)
+
+
+def test_ready_is_503_while_a_model_replica_cannot_be_placed_then_200(cluster):
+    """The model replica asks for a resource no node has yet: the ingress is up and says 503;
+    once a node offers it, the replica loads and readiness turns 200."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    args = copy.deepcopy(FAULT_ARGS)
+    args["Deployments"] = {"ModelReplica": {"ray_actor_options": {"resources": {"LATE": 1}}}}
+    # serve.run returns once the app runs, which needs the node added below: in a thread
+    deploying = threading.Thread(
+        target=serve.run, args=(build_app(args),), kwargs={"name": "serve_app"}, daemon=True
+    )
+    deploying.start()
+    url = f"http://127.0.0.1:{cluster.port}"
+    node = None
+    try:
+        deadline = time.monotonic() + BACK_WITHIN_S
+        status = None
+        while status != 503:
+            assert time.monotonic() < deadline, f"the ingress never answered 503 ({status})"
+            try:
+                response = httpx.get(f"{url}/v2/health/ready", timeout=5)
+                status = response.status_code
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert response.json()["error_type"] == "Service Unavailable"
+        time.sleep(3)  # still unplaceable: still 503, never a premature 200
+        assert httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 503
+        node = cluster.add_node(num_cpus=1, resources={"NPU": 1, "LATE": 1})
+        _serves_again(url)
+        deploying.join(BACK_WITHIN_S)
+    finally:
+        serve.delete("serve_app")
+        if node is not None:
+            cluster.remove_node(node)
