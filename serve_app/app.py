@@ -44,6 +44,8 @@ def build_app(args: dict[str, Any] | None = None):
         embedding_replica_options,
         ingress_options,
         model_replica_options,
+        several_ingress_replicas,
+        stop_registry_options,
         tokenizer_pool_options,
     )
     from serve_app.tokenizer.pool import TokenizerPool
@@ -70,6 +72,13 @@ def build_app(args: dict[str, Any] | None = None):
         deployment = serve.deployment(EmbeddingReplica, name=name, **options)
         embedding[endpoint] = deployment.bind(config, i, off_engine_cores=True)
         names.append(name)
+    # stopInfer may reach another ingress replica than its request: a registry they share
+    stops = None
+    if several_ingress_replicas(config):
+        from serve_app.ingress.stops import StopRegistry
+
+        options = stop_registry_options(config)
+        stops = serve.deployment(StopRegistry, name="StopRegistry", **options).bind()
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", **ingress_options(config))
     pool_app = pool.bind(config, off_engine_cores=True)
-    return ingress.bind(pool_app, replicas, config, names, embedding=embedding)
+    return ingress.bind(pool_app, replicas, config, names, embedding=embedding, stop_registry=stops)

@@ -101,6 +101,6 @@ async def stop_infer(
 ) -> dict:
     """Stops a running request by the `id` it was sent with; its KV blocks are freed."""
     p.check_model(model)
-    if not p.stops.stop(body.id):
+    if not await p.stop(body.id):
         raise APIError(ErrorKind.NOT_FOUND, f"no running request has id {body.id!r}", "id")
     return {"id": body.id}

@@ -8,7 +8,7 @@ early, a cancelled task) aborts the request in the replica, which frees its KV b
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.messages import (
@@ -43,6 +43,15 @@ class Backend(Protocol):
 
     async def ready(self) -> bool: ...
 
+    # stopInfer across ingress replicas (ingress/stops.py); without a shared registry these
+    # do nothing
+    def watch_stop(self, key: str, event: asyncio.Event) -> Callable[[], None] | None:
+        """Sets `event` when another ingress replica is asked to stop `key`; returns the call
+        that ends the watch (None: nothing to end)."""
+        ...
+
+    async def stop_elsewhere(self, key: str) -> bool: ...
+
 
 class _Targets:
     """The tokenizer pool, per model name the replicas of each role, and per embedding
@@ -55,16 +64,40 @@ class _Targets:
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
         embedding: dict[str, Any] | None = None,
+        stop_registry: Any = None,
     ) -> None:
+        """stop_registry: the StopRegistry shared by several ingress replicas (or None)."""
         self.tokenizer_pool = tokenizer_pool
         self.replicas = replicas  # colocated (inferMode standard)
         self.prefill_replicas = prefill or {}
         self.decode_replicas = decode or {}
         self.embedding_replicas = embedding or {}
+        self.stop_registry = stop_registry
 
     def replicas_of(self, model: str) -> list:
         groups = (self.replicas, self.prefill_replicas, self.decode_replicas)
         return [group[model] for group in groups if model in group]
+
+    def watch_stop(self, key: str, event: asyncio.Event) -> Callable[[], None] | None:
+        if self.stop_registry is None:
+            return None
+        held, cancel = self._hold(key)
+
+        async def relay() -> None:
+            if await held:
+                event.set()
+
+        task = asyncio.ensure_future(relay())
+
+        def unwatch() -> None:
+            task.cancel()
+            cancel()  # the registry forgets the id
+
+        return unwatch
+
+    def _hold(self, key: str) -> tuple[Any, Callable[[], None]]:
+        """The shared registry's `hold(key)` call: (an awaitable, the call that cancels it)."""
+        raise NotImplementedError
 
 
 class LocalBackend(_Targets):
@@ -92,6 +125,13 @@ class LocalBackend(_Targets):
     async def ready(self) -> bool:
         return True
 
+    def _hold(self, key: str) -> tuple[Any, Callable[[], None]]:
+        task = asyncio.ensure_future(self.stop_registry.hold(key))
+        return task, task.cancel
+
+    async def stop_elsewhere(self, key: str) -> bool:
+        return self.stop_registry is not None and self.stop_registry.stop(key)
+
 
 class RayBackend(_Targets):
     """Ray Serve handles: one tokenizer pool, replica deployments per model name and role, an
@@ -105,8 +145,9 @@ class RayBackend(_Targets):
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
         embedding: dict[str, Any] | None = None,
+        stop_registry: Any = None,
     ) -> None:
-        super().__init__(tokenizer_pool, replicas, prefill, decode, embedding)
+        super().__init__(tokenizer_pool, replicas, prefill, decode, embedding, stop_registry)
         self.app_name = app_name
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
 
@@ -152,6 +193,15 @@ class RayBackend(_Targets):
         except asyncio.CancelledError:
             response.cancel()  # the client went away: leave the replica's next batch too
             raise
+
+    def _hold(self, key: str) -> tuple[Any, Callable[[], None]]:
+        response = self.stop_registry.hold.remote(key)
+        return response, response.cancel
+
+    async def stop_elsewhere(self, key: str) -> bool:
+        if self.stop_registry is None:
+            return False
+        return await self.stop_registry.stop_held.remote(key)
 
     async def ready(self) -> bool:
         """True once every model and embedding replica deployment is HEALTHY (all replicas

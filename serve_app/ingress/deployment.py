@@ -22,10 +22,12 @@ class Ingress:
         config: AppConfig,
         replica_deployments: list[str],
         embedding: dict[str, Any] | None = None,
+        stop_registry: Any = None,
     ) -> None:
         """replicas: role ("colocated", or "prefill" and "decode") -> model name -> handle.
         embedding: embedding endpoint name -> handle. replica_deployments: the deployment
-        names whose health is readiness (model and embedding replicas)."""
+        names whose health is readiness (model and embedding replicas). stop_registry: the
+        shared StopRegistry when there may be several ingress replicas (ingress/stops.py)."""
         from ray import serve
 
         bind_process(config.serving_cores())  # off the cores an engine process is bound to
@@ -37,6 +39,7 @@ class Ingress:
             prefill=replicas.get("prefill"),
             decode=replicas.get("decode"),
             embedding=embedding,
+            stop_registry=stop_registry,
         )
         self.backend.replica_deployments = list(replica_deployments)
 

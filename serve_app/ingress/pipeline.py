@@ -25,6 +25,7 @@ from serve_app.config import AppConfig
 from serve_app.disagg.flow import pd_generate
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.metrics import Metrics
+from serve_app.ingress.stops import StopRegistry
 from serve_app.messages import (
     ChoiceDelta,
     EmbedRequest,
@@ -62,32 +63,6 @@ def pipeline_of(request: Request) -> Pipeline:
     return request.app.state.pipeline
 
 
-class StopRegistry:
-    """Client-visible request ids (Triton `id`) -> the event that stops that request."""
-
-    def __init__(self) -> None:
-        self._events: dict[str, asyncio.Event] = {}
-
-    def register(self, key: str) -> asyncio.Event:
-        if key in self._events:
-            raise APIError(
-                ErrorKind.VALIDATION, f"a request with id {key!r} is already running", "id"
-            )
-        event = self._events[key] = asyncio.Event()
-        return event
-
-    def unregister(self, key: str, event: asyncio.Event) -> None:
-        if self._events.get(key) is event:
-            del self._events[key]
-
-    def stop(self, key: str) -> bool:
-        event = self._events.get(key)
-        if event is None:
-            return False
-        event.set()
-        return True
-
-
 class Pipeline:
     def __init__(self, config: AppConfig, backend: Backend) -> None:
         self.config = config
@@ -120,6 +95,10 @@ class Pipeline:
     def new_request_id(prefix: str = "req") -> str:
         return f"{prefix}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
 
+    async def stop(self, key: str) -> bool:
+        """stopInfer: the request with this id, on this ingress replica or another."""
+        return self.stops.stop(key) or await self.backend.stop_elsewhere(key)
+
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt:
         result = await self.backend.tokenize(req)
         if isinstance(result, Rejection):
@@ -144,6 +123,8 @@ class Pipeline:
         """The replica's chunks. Errors raise `APIError`; a stopInfer ends the stream with a
         final chunk whose unfinished choices have finish_reason "aborted"."""
         stop_event = self.stops.register(stop_key) if stop_key is not None else asyncio.Event()
+        # other ingress replicas' stopInfer calls reach this request through the shared registry
+        unwatch = self.backend.watch_stop(stop_key, stop_event) if stop_key is not None else None
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + req.timeout_s + _BACKSTOP_S if req.timeout_s else None
@@ -207,6 +188,8 @@ class Pipeline:
                 next_chunk.cancel()  # the client went away mid-wait: the replica aborts
             if stop_key is not None:
                 self.stops.unregister(stop_key, stop_event)
+            if unwatch is not None:
+                unwatch()
             if not finished:
                 with contextlib.suppress(BaseException):
                     await upstream.aclose()

@@ -149,10 +149,7 @@ class ModelReplica:
             transfer = await self.connector.send(output.kv_payload)
         except Exception as exc:
             logger.exception("staging the KV of %s failed", req.request_id)
-            message = (
-                f"staging the prompt's KV cache for decode failed ({type(exc).__name__}); the "
-                f"prefill replica's log has the details (request {req.request_id})"
-            )
+            message = f"staging the KV for decode failed ({type(exc).__name__}); see the log"
             return PrefillResult(self._final(processor.error_chunk(ErrorKind.ENGINE, message)))
         chunk.kv_bytes = transfer.nbytes
         chunk.replica_id = self.replica_id

@@ -134,6 +134,26 @@ def ingress_options(config: AppConfig) -> dict[str, Any]:
     return _merge(defaults, config.Deployments.Ingress)
 
 
+def several_ingress_replicas(config: AppConfig) -> bool:
+    """May the ingress run more than one replica (then stopInfer needs the shared registry)?"""
+    ingress = config.Deployments.Ingress
+    replicas = ingress.num_replicas
+    return replicas == "auto" or bool(ingress.autoscaling_config) or (replicas or 1) > 1
+
+
+def stop_registry_options(config: AppConfig) -> dict[str, Any]:
+    """The shared StopRegistry: one replica, no CPU; every running request with an id holds
+    one call open in it."""
+    return {
+        "num_replicas": 1,
+        "max_ongoing_requests": 4 * config.ServerConfig.maxLinkNum + 64,
+        "ray_actor_options": {
+            "num_cpus": 0,
+            "runtime_env": {"env_vars": dict(SERVE_FAST_PATH_ENV)},
+        },
+    }
+
+
 def admission_limits(config: AppConfig) -> tuple[int, int]:
     """(requests running, requests waiting) one ingress replica admits: maxLinkNum and twice
     as many, split over Deployments.Ingress.num_replicas (rounded up; autoscaled: not split)."""
