@@ -27,6 +27,7 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(self.model_path)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.hf_config = self.model.config
+        self.block_size = config.block_size
         self.model.set_attn_implementation(self._attention_backend())
         self.lm_head = self._plain_lm_head()
         self.packed_linears = 0  # CPU: the decoder's (and head's) Linears prepacked for oneDNN
@@ -35,7 +36,6 @@ class ModelRunner:
             if self.lm_head is not None:
                 self.lm_head = cpu_gemm.PackedLinear(self.lm_head.weight)
                 self.packed_linears += 1
-        self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv()
 
@@ -45,6 +45,7 @@ class ModelRunner:
         if self.device.type == "npu":
             from serve_app.engine import npu_attention
 
+            npu_attention.check_limits(self.dtype, self.config.block_size, self.kv_shape[2])
             return npu_attention.register()
         return attention.register()
 

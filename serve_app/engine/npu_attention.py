@@ -31,6 +31,42 @@ MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take a fixed-size 2048x2048 "compresse
 # FIA page attention with more than one query token per sequence: "block_size at least 128, at
 # most 512, a multiple of 128" (op-plugin doc above); 128 is also what vllm-ascend uses.
 FIA_BLOCK_ALIGN = 128
+FIA_BLOCK_MAX = 512
+# ATB PagedAttention / ReshapeAndCache (ascendtb reference, "constraints"): float16 or bfloat16
+# tensors, head_size in (0, 256], block_size * head_size <= 128 * 128.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_SIZE = 256
+MAX_BLOCK_X_HEAD = 128 * 128
+
+
+def check_limits(dtype: torch.dtype, block_size: int, head_size: int) -> None:
+    """Refuses, at load, a configuration these kernels cannot run, naming the config key."""
+    problems = []
+    if dtype not in KERNEL_DTYPES:
+        problems.append(
+            f"ModelConfig.dtype {str(dtype).removeprefix('torch.')} cannot run on NPU: the "
+            "torch_npu paged-attention, reshape-and-cache and fused-attention kernels take "
+            "float16 or bfloat16 (use bfloat16, float16 or auto)"
+        )
+    if block_size % FIA_BLOCK_ALIGN or not FIA_BLOCK_ALIGN <= block_size <= FIA_BLOCK_MAX:
+        problems.append(
+            f"ScheduleConfig.cacheBlockSize {block_size} cannot page on NPU: fused attention "
+            f"over the paged cache needs a multiple of {FIA_BLOCK_ALIGN} in "
+            f"[{FIA_BLOCK_ALIGN}, {FIA_BLOCK_MAX}] (128 recommended)"
+        )
+    if not 0 < head_size <= MAX_HEAD_SIZE:
+        problems.append(
+            f"the model's head size {head_size} is outside the NPU paged attention's "
+            f"(0, {MAX_HEAD_SIZE}]"
+        )
+    elif block_size * head_size > MAX_BLOCK_X_HEAD:
+        problems.append(
+            f"ScheduleConfig.cacheBlockSize {block_size} x head size {head_size} = "
+            f"{block_size * head_size} is over the NPU paged attention's 128 x 128 = "
+            f"{MAX_BLOCK_X_HEAD}"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 @dataclass(slots=True)

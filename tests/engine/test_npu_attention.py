@@ -37,13 +37,33 @@ def _paged(cache, table, length):
     return cache[blocks].flatten(0, 1)[:length]
 
 
+class KernelLimit(RuntimeError):
+    """What the real kernel would refuse (its documented constraints)."""
+
+
 class FakeTorchNpu(types.ModuleType):
     def __init__(self):
         super().__init__("torch_npu")
         self.calls: list[tuple[str, dict]] = []
+        # The real kernels take float16 / bfloat16 only. Comparisons of the backend's indexing
+        # against the torch backend may opt into float32 (exact arithmetic on the CPU); the
+        # dtype rule itself is tested with it off.
+        self.allow_float32 = False
+
+    def _limits(self, *tensors, block_size: int, head_size: int) -> None:
+        """ATB PagedAttention / ReshapeAndCache constraints (ascendtb reference)."""
+        allowed = {torch.float16, torch.bfloat16} | (
+            {torch.float32} if self.allow_float32 else set()
+        )
+        if any(t.dtype not in allowed for t in tensors):
+            raise KernelLimit(f"dtype {[t.dtype for t in tensors]} not float16/bfloat16")
+        if block_size % 16 or not 0 < head_size <= 256 or block_size * head_size > 128 * 128:
+            raise KernelLimit(f"block_size {block_size} x head_size {head_size} not supported")
 
     def _npu_reshape_and_cache(self, *, key, value, key_cache, value_cache, slot_indices):
         self.calls.append(("reshape_and_cache", {}))
+        self._limits(key, value, key_cache, value_cache,
+                     block_size=key_cache.shape[1], head_size=key_cache.shape[3])  # fmt: skip
         assert slot_indices.dtype == torch.int32
         assert key.is_contiguous() and value.is_contiguous()
         assert key_cache.dim() == 4 and key.shape[1:] == key_cache.shape[2:]
@@ -67,6 +87,8 @@ class FakeTorchNpu(types.ModuleType):
         out,
     ):
         self.calls.append(("paged_attention", {}))
+        self._limits(query, key_cache, value_cache,
+                     block_size=key_cache.shape[1], head_size=key_cache.shape[3])  # fmt: skip
         assert block_table.dtype == torch.int32 and context_lens.dtype == torch.int32
         assert context_lens.device.type == "cpu"
         assert query.is_contiguous() and query.shape[1] == num_heads
@@ -96,6 +118,7 @@ class FakeTorchNpu(types.ModuleType):
         **unsupported,
     ):
         self.calls.append(("fused_infer_attention_score", {"paged": block_table is not None}))
+        self._limits(query, key, value, block_size=block_size or 128, head_size=query.shape[2])
         assert not unsupported
         assert input_layout == "TND" and sparse_mode == 3
         causal = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
@@ -138,10 +161,18 @@ class FakeTorchNpu(types.ModuleType):
 
 
 @pytest.fixture
-def fake_npu(monkeypatch):
+def strict_npu(monkeypatch):
+    """The fake with the kernels' dtype rule on (float16 / bfloat16 only)."""
     fake = FakeTorchNpu()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     return fake
+
+
+@pytest.fixture
+def fake_npu(strict_npu):
+    """The fake also taking float32, for exact comparisons of the backend's indexing."""
+    strict_npu.allow_float32 = True
+    return strict_npu
 
 
 BLOCK_SIZE = 128
@@ -230,6 +261,54 @@ def test_matches_torch_backend(fake_npu, case, heads, kv_heads, scaling):
 def test_matches_torch_backend_with_smollm2_shapes(fake_npu, case):
     # SmolLM2-135M: 9 query heads over 3 KV heads (3:1), head_dim 64, within the ops' limits
     _compare(case, 9, 3, None, head_dim=64)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matches_torch_backend_in_the_kernels_dtypes(strict_npu, case, dtype):
+    _compare(case, 8, 2, None, dtype=dtype, tol=2e-2)
+
+
+def test_the_fake_refuses_what_the_kernels_refuse(strict_npu):
+    with pytest.raises(KernelLimit, match="dtype"):  # float32 is not a kernel dtype
+        _compare("decodes", 8, 2, None, dtype=torch.float32)
+    with pytest.raises(KernelLimit, match="block_size 128 x head_size 256"):
+        _compare("decodes", 8, 2, None, dtype=torch.bfloat16, head_dim=256)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "head_size", "message"),
+    [
+        (torch.float32, 128, 64, "ModelConfig.dtype float32 cannot run on NPU"),
+        (torch.bfloat16, 16, 64, "ScheduleConfig.cacheBlockSize 16 cannot page on NPU"),
+        (torch.bfloat16, 640, 64, "ScheduleConfig.cacheBlockSize 640 cannot page on NPU"),
+        (torch.float16, 256, 128, "cacheBlockSize 256 x head size 128 = 32768 is over"),
+        (torch.bfloat16, 128, 512, "head size 512 is outside"),
+    ],
+)
+def test_npu_configs_the_kernels_cannot_run_are_refused_at_load(
+    dtype, block_size, head_size, message
+):
+    with pytest.raises(ValueError, match=message):
+        npu_attention.check_limits(dtype, block_size, head_size)
+    npu_attention.check_limits(torch.bfloat16, 128, 128)  # the recommended shape passes
+    npu_attention.check_limits(torch.float16, 256, 64)
+
+
+def test_the_model_runner_checks_the_limits_when_it_picks_the_npu_backend(monkeypatch):
+    from serve_app.engine.model_runner import ModelRunner
+
+    seen = []
+    monkeypatch.setattr(npu_attention, "check_limits", lambda *args: seen.append(args))
+    monkeypatch.setattr(npu_attention, "register", lambda: "npu-backend")
+    runner = SimpleNamespace(
+        device=SimpleNamespace(type="npu"),
+        dtype=torch.float32,
+        config=SimpleNamespace(block_size=128),
+        kv_shape=(128, 2, 64),
+    )
+    assert ModelRunner._attention_backend(runner) == "npu-backend"
+    assert seen == [(torch.float32, 128, 64)]
 
 
 @pytest.mark.npu
