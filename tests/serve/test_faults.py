@@ -52,9 +52,9 @@ def _kill(actor: dict) -> None:
     ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
 
 
-def _stream_until_fault(url: str, fault) -> tuple[list[dict], float]:
-    """A long completion stream; after its first token `fault()` runs. Returns the events and
-    the seconds from the fault to the stream's end."""
+def _stream_until_fault(url: str, fault, after: int = 1) -> tuple[list[dict], float]:
+    """A long completion stream; after its `after`-th event `fault()` runs. Returns the events
+    and the seconds from the fault to the stream's end."""
     events: list[dict] = []
     faulted_at = None
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -64,7 +64,7 @@ def _stream_until_fault(url: str, fault) -> tuple[list[dict], float]:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 events.append(json.loads(line[6:]))
-                if faulted_at is None:
+                if faulted_at is None and len(events) == after:
                     fault()
                     faulted_at = time.monotonic()
     assert faulted_at is not None
