@@ -151,3 +151,32 @@ def test_the_served_app_admits_max_link_num_and_its_queue():
         asyncio.run(scenario())
     finally:
         replica.shutdown()
+
+
+def test_a_request_that_can_never_fit_the_kv_pool_is_refused_at_once():
+    """A KV pool of 8 blocks x 16 tokens under maxSeqLen 512: a prompt plus its output that
+    needs more than the whole pool is refused before it is queued, naming both numbers."""
+    from fastapi.testclient import TestClient
+
+    args = copy.deepcopy(ROUTE_TEST_CONFIG)
+    args["BackendConfig"]["ScheduleConfig"]["kvCacheBlocks"] = 8
+    app, replica = local_app(args)
+    prompt = list(range(100, 200))  # 100 tokens + up to 64 output > 128 tokens of pool
+    try:
+        with TestClient(app) as client:
+            openai = client.post(
+                "/v1/completions", json={"model": "demo", "prompt": prompt, "max_tokens": 64}
+            )
+            mindie = client.post(
+                "/infer_token", json={"input_id": prompt, "parameters": {"max_new_tokens": 64}}
+            )
+            fits = client.post(
+                "/v1/completions", json={"model": "demo", "prompt": prompt[:20], "max_tokens": 8}
+            )
+    finally:
+        replica.shutdown()
+    assert openai.status_code == 400 and mindie.status_code == 424
+    for message in (openai.json()["error"]["message"], mindie.json()["error"]):
+        assert "KV blocks" in message and "the pool has 8" in message, message
+    assert mindie.json()["error_type"] == "Generation Error"
+    assert fits.status_code == 200
