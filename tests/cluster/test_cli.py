@@ -46,9 +46,9 @@ def _config_copy(name: str, tmp_path: Path) -> tuple[Path, str]:
 
 
 def _env(**extra: str) -> dict:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **extra}
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
-    return env
+    return {**env, **extra}
 
 
 def _get(url: str) -> int:
@@ -121,7 +121,9 @@ def _tail(log: Path) -> str:
 def test_serve_run_starts_the_yaml_and_answers(name, tmp_path):
     config, base = _config_copy(name, tmp_path)
     log = tmp_path / "serve-run.log"
-    process = _start([str(BIN / "serve"), "run", str(config)], _env(), log)
+    # RAY_ADDRESS=local: a Ray of its own even when another cluster runs on this machine (by
+    # default `serve run` joins the latest one started here)
+    process = _start([str(BIN / "serve"), "run", str(config)], _env(RAY_ADDRESS="local"), log)
     try:
         _wait_ready(base, process)
         _answers(base)
