@@ -1,8 +1,7 @@
-"""KV connectors: the in-process one always; the object-store one only where Ray already runs
-(these tests never start Ray)."""
+"""KV connectors: the in-process one, and the object-store one through a real Ray object store
+(a local Ray for this module, unless this process already runs one)."""
 
 import asyncio
-import sys
 
 import pytest
 import torch
@@ -40,10 +39,25 @@ def test_unknown_connector_is_named():
         connector_for("hccl")
 
 
-def test_object_store_connector_when_ray_runs():
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        pytest.skip("Ray is not running (these tests never start it)")
+@pytest.fixture(scope="module")
+def local_ray():
+    """Ray in this process: the one already initialised here if any (e.g. the serve tests'
+    session cluster; it is left running), else a local instance of its own (address "local":
+    never another cluster on this machine), shut down after this module, before
+    tests/serve/conftest.py starts its cluster."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_object_store_connector_round_trip(local_ray):
     connector = ObjectStoreConnector(timeout_s=30)
     sent = payload()
 
@@ -54,5 +68,8 @@ def test_object_store_connector_when_ray_runs():
     transfer, got = asyncio.run(run())
     assert transfer.connector == "object_store" and transfer.nbytes == sent.nbytes
     assert transfer.staged_ms >= sent.read_ms
+    # through the object store: the handle is an ObjectRef, and what comes back is a copy
+    assert isinstance(transfer.ref, local_ray.ObjectRef)
+    assert got is not sent and isinstance(got, KVPayload) and got.num_tokens == 5
     for a, b in zip(sent.keys + sent.values, got.keys + got.values, strict=True):
         assert torch.equal(a, b)

@@ -136,3 +136,119 @@ def keyed_client(keyed_app):
 def serve_live():
     """`served` for tests: a context manager putting an app on a real socket."""
     return served
+
+
+# -- abort tests: an app whose requests run long enough that only an abort frees them early ---
+
+# A request that asks for this many tokens runs this many engine steps unless it is aborted:
+# thousands of steps (seconds even on a fast machine), so a test that waits for the KV pool to
+# go idle cannot pass by the request simply finishing inside the wait.
+LONG_MAX_TOKENS = 4000
+LONG_ROUTE_CONFIG = {
+    "BackendConfig": {
+        "ModelDeployConfig": {
+            "maxSeqLen": 4096,  # demo-tiny's max_position_embeddings
+            "maxInputTokenLen": 64,
+            "ModelConfig": [{"modelName": "demo", "modelWeightPath": "demo-tiny"}],
+        },
+        "ScheduleConfig": {
+            "maxIterTimes": LONG_MAX_TOKENS,
+            "maxPrefillTokens": 512,
+            "cacheBlockSize": 16,
+            "kvCacheBlocks": 2048,  # eight such requests at once, should one not be aborted
+        },
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def long_route_app():
+    """The app (its own replica, engine loop on a thread here) with maxIterTimes
+    LONG_MAX_TOKENS: for tests of what frees a request early (client gone, stopInfer,
+    timeout, stop string)."""
+    app, replica = local_app(LONG_ROUTE_CONFIG)
+    app.state.replica = replica
+    yield app
+    replica.shutdown()
+
+
+@pytest.fixture(scope="session")
+def long_client(long_route_app):
+    with TestClient(long_route_app) as c:
+        yield c
+
+
+class EngineWatch:
+    """Counts the steps of the long app's engine (a pass-through wrapper around its `step`)
+    and waits for its KV pool to go idle.
+
+    A request of N tokens that is not aborted runs at least N steps (one token per step), so
+    `freed_early(N)` (idle, and fewer than N // 10 steps since the watch started) can only
+    hold when something ended the request early: a missing abort either still holds its
+    blocks when the wait ends or, on a machine fast enough to finish it inside the wait, has
+    run its N steps.
+    """
+
+    def __init__(self, client, monkeypatch) -> None:
+        self.client = client
+        self.replica = client.app.state.replica
+        engine = self.replica.engine.engine  # the in-process LLMEngine (thread mode)
+        assert engine is not None, "the long app's engine must run on a thread in this process"
+        self.steps = 0
+        original = engine.step
+
+        def counted():
+            self.steps += 1
+            return original()
+
+        monkeypatch.setattr(engine, "step", counted)
+
+    def stats(self) -> dict:
+        return self.client.portal.call(self.replica.stats)
+
+    def idle(self, timeout_s: float = 10.0) -> bool:
+        """True once nothing runs or waits and every KV block is free (polled; generous)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if (
+                not stats["num_running"]
+                and not stats["num_waiting"]
+                and stats["num_free_blocks"] == stats["num_blocks"]
+            ):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    def running(self, timeout_s: float = 30.0) -> bool:
+        """True once the engine runs a request and holds KV blocks for it (polled)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = self.stats()
+            if stats["num_running"] and stats["num_free_blocks"] < stats["num_blocks"]:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def freed_early(self, max_tokens: int = LONG_MAX_TOKENS, timeout_s: float = 10.0) -> None:
+        """Asserts that the pool went idle long before a request of max_tokens could have
+        ended by itself."""
+        assert self.idle(timeout_s), f"KV blocks still held after {timeout_s} s: {self.stats()}"
+        assert self.steps < max_tokens // 10, (
+            f"the pool went idle only after {self.steps} engine steps: a request of "
+            f"{max_tokens} tokens may have simply finished"
+        )
+
+
+@pytest.fixture
+def engine_watch(long_client, monkeypatch):
+    """An `EngineWatch` on the long app, started idle (a test's request is the only one)."""
+    watch = EngineWatch(long_client, monkeypatch)
+    assert watch.idle(), f"the long app was busy before the test: {watch.stats()}"
+    watch.steps = 0
+    return watch

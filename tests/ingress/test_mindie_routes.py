@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.ingress.conftest import LONG_MAX_TOKENS
+
 EXAMPLE = {  # MindIE's documented /infer_token request
     "input_id": [5618, 19678, 701, 9072, 13],
     "stream": False,
@@ -22,7 +24,9 @@ PROMPTS = {
     "/infer": {"inputs": "My name is Olivier and I"},
     "/infer_token": {"input_id": [5, 6, 7]},
 }
-LONG_GEN = {"max_new_tokens": 64}  # capped at maxIterTimes = 64 in the test config
+# On the long app (long_client): thousands of engine steps unless something ends it early
+# (greedy: the demo model never draws EOS then, so only its length could end it otherwise)
+LONG_GEN = {"max_new_tokens": LONG_MAX_TOKENS, "do_sample": False}
 
 # (parameter, bad value, words the message must contain)
 BAD = [
@@ -144,15 +148,30 @@ def test_seeded_requests_reproduce_and_stream_matches(client):
         client.post("/infer", json={"inputs": "Hello there", "stream": True, "parameters": params})
     )
     assert streamed[-1]["generated_text"] == a["generated_text"]
-    drawn = client.post("/infer", json={"inputs": "Hi", "parameters": {"details": True}}).json()
-    again = {"temperature": 1.5, "seed": drawn["details"]["seed"], "details": True}
-    # a server-drawn seed reproduces the answer when sent back
-    assert (
-        client.post("/infer", json={"inputs": "Hi", "parameters": again}).json()["generated_text"]
-        == client.post("/infer", json={"inputs": "Hi", "parameters": again}).json()[
-            "generated_text"
-        ]
-    )
+
+
+def test_a_server_drawn_seed_reproduces_the_answer(client):
+    sampled = {"temperature": 1.5, "details": True, "max_new_tokens": 12}
+    drawn = client.post("/infer", json={"inputs": "Hi", "parameters": sampled}).json()
+    seed = drawn["details"]["seed"]
+    assert isinstance(seed, int) and 0 < seed < 2**64
+
+    def answer(seed: int) -> dict:
+        body = {"inputs": "Hi", "parameters": {**sampled, "seed": seed}}
+        return client.post("/infer", json=body).json()
+
+    # the seed the server reported is the one it sampled with: sent back, it gives that answer
+    again = answer(seed)
+    assert again["generated_text"] == drawn["generated_text"]
+    assert again["details"] == drawn["details"]
+    # and the answer depends on the seed: another one samples another text (12 tokens at
+    # temperature 1.5 on the demo model: equal texts would take ~25% odds twelve times over)
+    other = answer(seed % (2**64 - 1) + 1)
+    assert other["details"]["seed"] != seed
+    assert other["generated_text"] != drawn["generated_text"]
+    # a second drawn seed is a fresh one (not a constant that happens to reproduce)
+    redrawn = client.post("/infer", json={"inputs": "Hi", "parameters": sampled}).json()
+    assert redrawn["details"]["seed"] != seed
 
 
 def test_priority_and_timeout_reach_the_engine(client, monkeypatch):
@@ -174,20 +193,20 @@ def test_priority_and_timeout_reach_the_engine(client, monkeypatch):
     assert request.params.is_greedy
 
 
-def test_timeout_non_stream_is_500_and_frees_blocks(client, kv_idle):
+def test_timeout_non_stream_is_500_and_frees_blocks(long_client, engine_watch):
     body = {"inputs": "tell me a long story", "parameters": {**LONG_GEN, "timeout": 0.05}}
-    response = client.post("/infer", json=body)
+    response = long_client.post("/infer", json=body)
     assert response.status_code == 500
     out = response.json()
     assert out["error_type"] == "Incomplete Generation"
     assert out["error"].startswith("Engine callback timeout")
-    assert kv_idle()
+    engine_watch.freed_early()
 
 
-def test_timeout_in_stream_is_an_error_event(client, kv_idle):
+def test_timeout_in_stream_is_an_error_event(long_client, engine_watch):
     body = {"inputs": "tell me a long story", "stream": True, "parameters": {**LONG_GEN}}
     body["parameters"]["timeout"] = 0.4
-    response = client.post("/infer", json=body)
+    response = long_client.post("/infer", json=body)
     assert response.status_code == 200
     got = events(response)
     assert set(got[-1]) == {"error", "error_type"}
@@ -195,15 +214,16 @@ def test_timeout_in_stream_is_an_error_event(client, kv_idle):
     # after the 200, in the replica's words (the "Engine callback timeout" wording is for a
     # timeout before the response starts)
     assert got[-1]["error"] == "request timed out after 0.4 s (its timeout)"
-    assert 1 <= len(got) - 1 < 63  # some tokens came, then the error
-    assert kv_idle()
+    assert 1 <= len(got) - 1 < LONG_MAX_TOKENS - 1  # some tokens came, then the error
+    assert all(set(e) == {"prefill_time", "decode_time", "token"} for e in got[:-1])
+    engine_watch.freed_early()
 
 
-def test_client_leaving_a_stream_frees_blocks(client, kv_idle):
+def test_client_leaving_a_stream_frees_blocks(long_client, engine_watch):
     body = {"inputs": "tell me a long story", "stream": True, "parameters": LONG_GEN}
-    with client.stream("POST", "/infer", json=body) as response:
+    with long_client.stream("POST", "/infer", json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
-                break
-    assert kv_idle()
+                break  # the first token arrived: hang up
+    engine_watch.freed_early()

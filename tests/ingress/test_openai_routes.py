@@ -19,6 +19,7 @@ from serve_app.messages import (
     TokenizeRequest,
 )
 from serve_app.protocol.sampling import sampling_params
+from tests.ingress.conftest import LONG_MAX_TOKENS
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "demo", "prompt": "hi"}
@@ -408,6 +409,38 @@ def test_completion_stop_string_is_exact(client, kv_idle, include):
     assert (final["finish_reason"], final["stop_reason"]) == ("stop", stop)
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
     assert kv_idle()
+
+
+def test_stop_strings_abort_the_engine_request(long_client, engine_watch):
+    """The engine knows no stop strings: the replica finds them in the text and must abort the
+    engine request there, not leave it running to max_tokens (thousands of steps here)."""
+    deltas = greedy_completion(long_client)
+    text, stop = "".join(deltas), stop_across_tokens(deltas)
+    request = {**COMPLETION, "prompt": "who are you", "temperature": 0, "ignore_eos": True,
+               "max_tokens": LONG_MAX_TOKENS, "stop": stop}  # fmt: skip
+    engine_watch.steps = 0
+    body = long_client.post("/v1/completions", json=request).json()
+    choice = body["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (text[: text.index(stop)], "stop")
+    assert body["usage"]["completion_tokens"] < 16
+    engine_watch.freed_early()
+    engine_watch.steps = 0
+    events = sse_events(long_client.post("/v1/completions", json={**request, "stream": True}))
+    assert "".join(e["choices"][0]["text"] for e in events) == text[: text.index(stop)]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    engine_watch.freed_early()
+    # chat: the same rule
+    greedy = {**CHAT, "max_tokens": 16, "ignore_eos": True, "top_k": 1, "stream": True}
+    events = sse_events(long_client.post("/v1/chat/completions", json=greedy))
+    deltas = [e["choices"][0]["delta"].get("content", "") for e in events]
+    text, stop = "".join(deltas), stop_across_tokens(deltas)
+    long_chat = {**greedy, "max_tokens": LONG_MAX_TOKENS, "stream": False, "stop": [stop]}
+    engine_watch.steps = 0
+    body = long_client.post("/v1/chat/completions", json=long_chat).json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == text[: text.index(stop)]
+    assert choice["finish_reason"] == "stop_sequence" and body["usage"]["completion_tokens"] < 16
+    engine_watch.freed_early()
 
 
 def test_completion_stop_token_id_and_token_id_prompt(client, kv_idle):

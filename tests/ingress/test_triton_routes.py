@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
+
+from tests.ingress.conftest import LONG_MAX_TOKENS
 
 GENERATE_EXAMPLE = {  # the generate request of Triton's documentation
     "id": "42",
@@ -121,7 +122,11 @@ def test_details_and_stream_match_non_stream(client):
 def test_seeded_requests_reproduce(client):
     params = {"temperature": 1.5, "seed": 77, "max_new_tokens": 12}
     body = {"text_input": "once upon", "parameters": params}
-    assert client.post(GEN, json=body).json() == client.post(GEN, json=body).json()
+    first = client.post(GEN, json=body).json()
+    assert client.post(GEN, json=body).json() == first
+    # the seed is what makes it reproducible: another seed samples another text
+    other = {**body, "parameters": {**params, "seed": 78}}
+    assert client.post(GEN, json=other).json()["text_output"] != first["text_output"]
 
 
 def test_stop_string_ends_the_text(client):
@@ -134,45 +139,71 @@ def test_stop_string_ends_the_text(client):
     assert out.json()["details"]["finish_reason"] == "stop_sequence"
 
 
-def test_timeout_is_500_or_an_error_event(client, kv_idle):
-    body = {"text_input": "a long story", "parameters": {"max_tokens": 64, "timeout": 0.05}}
-    assert_triton_error(client.post(GEN, json=body), 500, "time")
-    assert kv_idle()
+def test_timeout_is_500_or_an_error_event(long_client, engine_watch):
+    body = {
+        "text_input": "a long story",  # greedy: only its length would end it otherwise
+        "parameters": {"max_tokens": LONG_MAX_TOKENS, "temperature": 0, "timeout": 0.05},
+    }
+    assert_triton_error(long_client.post(GEN, json=body), 500, "time")
+    engine_watch.freed_early()
+    engine_watch.steps = 0
     body["parameters"]["timeout"] = 0.4
-    response = client.post(STREAM, json=body)
+    response = long_client.post(STREAM, json=body)
     assert response.status_code == 200
     got = events(response)
     assert set(got[-1]) == {"error"} and "time" in got[-1]["error"]
-    assert kv_idle()
+    assert all("error" not in e for e in got[:-1])
+    engine_watch.freed_early()
 
 
-def test_stop_infer_ends_a_running_stream(client, kv_idle):
-    body = {"id": "stop-me", "text_input": "a long story", "parameters": {"max_tokens": 60}}
-    body["parameters"]["details"] = True
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(r=client.post(STREAM, json=body)))
+def _stream_in_thread(client, body: dict) -> tuple[threading.Thread, threading.Event, dict]:
+    """Streams body to generate_stream on a thread: (the thread, an event set once the first
+    event arrived, where its events end up)."""
+    first, result = threading.Event(), {"events": []}
+
+    def run():
+        with client.stream("POST", STREAM, json=body) as response:
+            result["status"] = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    result["events"].append(json.loads(line[6:]))
+                    first.set()
+        first.set()  # ended without any event: let the test see it
+
+    thread = threading.Thread(target=run)
     thread.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # 404 until the request is registered
-        stopped = client.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
-        if stopped.status_code == 200:
-            break
-        time.sleep(0.005)
-    assert stopped.json() == {"id": "stop-me"}
-    thread.join(10)
-    got = events(result["r"])
+    return thread, first, result
+
+
+def test_stop_infer_ends_a_running_stream(long_client, engine_watch):
+    body = {
+        "id": "stop-me",
+        "text_input": "a long story",  # greedy: no EOS to end it early
+        "parameters": {"max_tokens": LONG_MAX_TOKENS, "temperature": 0, "details": True},
+    }
+    thread, first, result = _stream_in_thread(long_client, body)
+    assert first.wait(60), "no event within 60 s"
+    assert result["status"] == 200 and result["events"], result
+    stopped = long_client.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
+    assert stopped.status_code == 200 and stopped.json() == {"id": "stop-me"}
+    thread.join(60)
+    assert not thread.is_alive(), "the stream did not end after stopInfer"
+    got = result["events"]
+    assert all("error" not in e for e in got)
     assert got[-1]["details"]["finish_reason"] == "stop_sequence"
-    assert got[-1]["details"]["generated_tokens"] < 60
-    assert kv_idle()
-    gone = client.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
+    assert 1 <= got[-1]["details"]["generated_tokens"] < LONG_MAX_TOKENS
+    assert all("details" not in e for e in got[:-1])
+    engine_watch.freed_early()
+    gone = long_client.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
     assert gone.status_code == 404  # the id is free again once the request ended
 
 
-def test_client_leaving_a_stream_frees_blocks(client, kv_idle):
-    body = {"text_input": "a long story", "parameters": {"max_tokens": 64}}
-    with client.stream("POST", STREAM, json=body) as response:
+def test_client_leaving_a_stream_frees_blocks(long_client, engine_watch):
+    body = {"text_input": "a long story",  # greedy: no EOS to end it early
+            "parameters": {"max_tokens": LONG_MAX_TOKENS, "temperature": 0}}  # fmt: skip
+    with long_client.stream("POST", STREAM, json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
-                break
-    assert kv_idle()
+                break  # the first text arrived: hang up
+    engine_watch.freed_early()

@@ -57,3 +57,61 @@ def deploy(cluster, args: dict) -> str:
             pass
         time.sleep(0.5)
     pytest.fail("the app did not become ready in 120 s")
+
+
+# -- abort tests: limits long enough that only an abort frees a request early -----------------
+
+# A greedy request of this many tokens (greedy: the demo model never draws EOS, so nothing but
+# its length ends it) generates for many seconds even on a fast machine, so a test that waits
+# for the KV pool to go idle cannot pass by the request simply finishing inside the wait.
+LONG_MAX_TOKENS = 3584
+LONG_KV_BLOCKS = 2048  # several such requests at once, should one not be aborted; also tells
+# the long app's replicas from those of an app deployed before it
+
+
+def _long(args: dict) -> dict:
+    args = copy.deepcopy(args)
+    args["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 4096  # max_position_embeddings
+    schedule = args["BackendConfig"]["ScheduleConfig"]
+    schedule["maxIterTimes"] = LONG_MAX_TOKENS
+    schedule["kvCacheBlocks"] = LONG_KV_BLOCKS
+    return args
+
+
+SERVE_LONG_ARGS = _long(SERVE_TEST_ARGS)
+PD_LONG_ARGS = _long(PD_ARGS)
+
+
+def seconds_per_token(url: str, num_tokens: int = 128) -> float:
+    """What an unaborted greedy request costs per token on the app at url: a /infer stream of
+    num_tokens, timed from its first token to its last (the reference the abort tests compare
+    their wait with)."""
+    import json
+
+    body = {"inputs": "tell me a long story", "stream": True,
+            "parameters": {"max_new_tokens": num_tokens, "do_sample": False}}  # fmt: skip
+    times = []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        with client.stream("POST", "/infer", json=body) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    assert "error" not in json.loads(line[6:]), line
+                    times.append(time.monotonic())
+    assert len(times) == num_tokens
+    return (times[-1] - times[0]) / (num_tokens - 1)
+
+
+def assert_freed_early(idle, hung_up_at: float, tokens_left: int, s_per_token: float) -> None:
+    """Asserts that the KV pool went idle (idle(timeout_s) -> bool, polled with a generous
+    deadline) well before a request with tokens_left still to generate could have ended by
+    itself: in less than half the time those tokens take unaborted (s_per_token, measured).
+    Without an abort the pool is still busy when the wait ends, or, on a machine fast enough
+    to finish the request inside the wait, went idle only as late as the request's end."""
+    assert idle(10.0), "KV blocks still held 10 s after the request should have been aborted"
+    took = time.monotonic() - hung_up_at
+    natural = tokens_left * s_per_token
+    assert took < natural / 2, (
+        f"idle {took:.1f} s after the abort, but the request would have ended by itself in "
+        f"~{natural:.1f} s: this proves no abort (make the request longer)"
+    )

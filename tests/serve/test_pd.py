@@ -11,10 +11,20 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 
 import httpx
 import pytest
-from serve_helpers import PD_ARGS, PD_MAX_ITER, deploy
+from serve_helpers import (
+    LONG_KV_BLOCKS,
+    LONG_MAX_TOKENS,
+    PD_ARGS,
+    PD_LONG_ARGS,
+    PD_MAX_ITER,
+    assert_freed_early,
+    deploy,
+    seconds_per_token,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -140,39 +150,6 @@ def test_unsupported_parameters_are_refused_before_any_work(http, path, body, pa
         assert error["param"] == param
 
 
-def test_disconnect_during_decode_frees_both_sides(server, kv_idle_http):
-    body = {"inputs": "a long story", "stream": True, "parameters": {"max_new_tokens": 60}}
-    with httpx.Client(base_url=server, timeout=60) as c:
-        with c.stream("POST", "/infer", json=body) as r:
-            seen = 0
-            for line in r.iter_lines():
-                seen += line.startswith("data: ")
-                if seen == 3:  # prefill's token and two decode tokens: hang up mid-decode
-                    break
-    assert kv_idle_http()
-
-
-def test_stop_infer_and_timeout_free_both_sides(server, http, kv_idle_http):
-    body = {"id": "pd-stop", "text_input": "go", "parameters": {"max_new_tokens": 60}}
-    done = {}
-
-    def run():
-        with httpx.Client(base_url=server, timeout=60) as c:
-            done["r"] = c.post("/v2/models/demo/generate_stream", json=body).text
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    for _ in range(400):
-        if http.post("/v2/models/demo/stopInfer", json={"id": "pd-stop"}).status_code == 200:
-            break
-    thread.join(30)
-    assert kv_idle_http()
-    r = http.post("/infer", json={"inputs": "x", "parameters": {"max_new_tokens": 60,
-                                                                   "timeout": 0.01}})  # fmt: skip
-    assert r.status_code == 500 and r.json()["error_type"] == "Incomplete Generation"
-    assert kv_idle_http()
-
-
 def test_pd_metrics(http):
     text = http.get("/metrics").text
     for stage in ("queue", "prefill", "handoff", "first_decode_step"):
@@ -201,4 +178,135 @@ def test_databricks_family_under_pd(http, kv_idle_http):
     r = http.post(invoke, json={**body, "n": 2})
     assert r.status_code == 400 and r.json()["error_code"] == "BAD_REQUEST"
     assert "not supported in PD" in r.json()["message"]
+    assert kv_idle_http()
+
+
+# -- what ends a request early, on the PD app with long limits (these tests come last) ---------
+
+
+@pytest.fixture(scope="module")
+def long_server(server, cluster):
+    """The PD app again, with maxIterTimes LONG_MAX_TOKENS (PD_LONG_ARGS), in place of the
+    module's app (PD_ARGS' maxIterTimes 64 is what test_token_count_rules counts): so that a
+    request ended early (client gone, stopInfer, timeout) is shown to free its KV blocks long
+    before it could have ended by itself. It replaces the app for the rest of the module, so
+    only the tests at the end of this module use it."""
+    url = deploy(cluster, PD_LONG_ARGS)
+    assert url == server  # same proxy: `http` and `kv_idle_http` now reach this app
+    # This process's handles were used on the replaced app: make sure both roles answer from
+    # the long app's replicas (their pool size tells them apart) before the tests ask them.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if all(s["num_blocks"] == LONG_KV_BLOCKS for s in _role_stats().values()):
+                return url
+        except Exception:  # a replaced replica going away under the call
+            pass
+        assert time.monotonic() < deadline, "the handles still reach the replaced replicas"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def pd_s_per_token(long_server):
+    """Seconds per token of an unaborted greedy PD request (the abort tests' yardstick)."""
+    return seconds_per_token(long_server)
+
+
+def _role_stats() -> dict[str, dict]:
+    """Engine stats of the prefill and of the decode replica, asked of each directly."""
+    from ray import serve
+
+    return {
+        name: serve.get_deployment_handle(name, app_name="serve_app")
+        .stats.remote()
+        .result(timeout_s=30)
+        for name in ("PrefillReplica", "DecodeReplica")
+    }
+
+
+def _idle(stats: dict) -> bool:
+    return (
+        stats["num_blocks"] == LONG_KV_BLOCKS  # the long app's replica, not a replaced one
+        and not stats["num_running"]
+        and not stats["num_waiting"]
+        and stats["num_free_blocks"] == stats["num_blocks"]
+    )
+
+
+def both_sides_idle(timeout_s: float = 10.0) -> bool:
+    """True once neither the prefill nor the decode replica runs anything or holds a KV block
+    (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if all(_idle(stats) for stats in _role_stats().values()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def test_disconnect_during_decode_frees_both_sides(long_server, kv_idle_http, pd_s_per_token):
+    body = {"inputs": "a long story", "stream": True,
+            "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "do_sample": False}}  # fmt: skip
+    with httpx.Client(base_url=long_server, timeout=60) as c:
+        with c.stream("POST", "/infer", json=body) as r:
+            assert r.status_code == 200
+            seen, decode = 0, None
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    assert "error" not in json.loads(line[6:]), line
+                    seen += 1
+                if seen == 3:  # prefill's token and two decode tokens: hang up mid-decode
+                    # (asked while the stream is open: leaving the loop closes the connection)
+                    decode = _role_stats()["DecodeReplica"]
+                    break
+            assert seen == 3
+    # the request was on the decode side when the client went away
+    assert decode["num_blocks"] == LONG_KV_BLOCKS, decode
+    assert decode["num_running"] == 1, decode
+    assert decode["num_free_blocks"] < decode["num_blocks"], decode
+    assert_freed_early(both_sides_idle, time.monotonic(), LONG_MAX_TOKENS - 3, pd_s_per_token)
+    assert kv_idle_http()
+
+
+def test_stop_infer_and_timeout_free_both_sides(long_server, http, kv_idle_http, pd_s_per_token):
+    body = {"id": "pd-stop", "text_input": "go",
+            "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0,
+                           "details": True}}  # fmt: skip
+    result, decoding = {"events": []}, threading.Event()
+
+    def run():
+        with httpx.Client(base_url=long_server, timeout=60) as c:
+            with c.stream("POST", "/v2/models/demo/generate_stream", json=body) as r:
+                result["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        result["events"].append(json.loads(line[6:]))
+                        if len(result["events"]) >= 3:  # prefill's token, then decode's
+                            decoding.set()
+        decoding.set()  # ended before that: let the test see it
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert decoding.wait(60), "no decode token within 60 s"
+    assert result["status"] == 200 and len(result["events"]) >= 3, result
+    stopped = http.post("/v2/models/demo/stopInfer", json={"id": "pd-stop"})
+    stopped_at = time.monotonic()
+    assert stopped.status_code == 200 and stopped.json() == {"id": "pd-stop"}
+    thread.join(60)
+    assert not thread.is_alive(), "the stream did not end after stopInfer"
+    events = result["events"]
+    assert all("error" not in e for e in events)
+    details = events[-1]["details"]  # the stream ended early, as stopped
+    assert details["finish_reason"] == "stop_sequence"
+    assert 3 <= details["generated_tokens"] < LONG_MAX_TOKENS
+    left = LONG_MAX_TOKENS - details["generated_tokens"]
+    assert_freed_early(both_sides_idle, stopped_at, left, pd_s_per_token)
+    assert kv_idle_http()
+    assert http.post("/v2/models/demo/stopInfer", json={"id": "pd-stop"}).status_code == 404
+    r = http.post("/infer", json={"inputs": "x", "parameters": {
+        "max_new_tokens": LONG_MAX_TOKENS, "do_sample": False, "timeout": 0.01}})  # fmt: skip
+    timed_out_at = time.monotonic()
+    assert r.status_code == 500 and r.json()["error_type"] == "Incomplete Generation"
+    assert_freed_early(both_sides_idle, timed_out_at, LONG_MAX_TOKENS, pd_s_per_token)
     assert kv_idle_http()

@@ -1,16 +1,68 @@
 """The app under Ray Serve, over real HTTP: placement, every family's documented example, the
-openai client, disconnects, stopInfer, readiness, metrics and the OpenAPI docs."""
+openai client, disconnects, stopInfer, readiness, metrics and the OpenAPI docs.
+
+The app here has maxIterTimes LONG_MAX_TOKENS (serve_helpers.SERVE_LONG_ARGS), so that what
+ends a request early (client gone, stopInfer) is shown to free its KV blocks long before the
+request could have ended by itself."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 
 import httpx
 import pytest
+from serve_helpers import (
+    LONG_KV_BLOCKS,
+    LONG_MAX_TOKENS,
+    SERVE_LONG_ARGS,
+    assert_freed_early,
+    deploy,
+    seconds_per_token,
+)
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    """This module's colocated app: conftest's, with the long limits (no extra deploy)."""
+    from ray import serve
+
+    yield deploy(cluster, SERVE_LONG_ARGS)
+    serve.delete("serve_app")
+
+
+@pytest.fixture(scope="module")
+def s_per_token(server):
+    """Seconds per token of an unaborted greedy request on this app (the abort tests' yardstick)."""
+    return seconds_per_token(server)
+
+
+def _replica_stats() -> dict:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ModelReplica", app_name="serve_app")
+    return handle.stats.remote().result(timeout_s=30)
+
+
+def _wait_running(timeout_s: float = 60.0) -> bool:
+    """True once this app's model replica runs a request that holds KV blocks (polled; a
+    replica of an app deployed before, which this process's handle may still reach for a
+    moment, has another pool size)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = _replica_stats()
+        if (
+            stats["num_blocks"] == LONG_KV_BLOCKS
+            and stats["num_running"]
+            and stats["num_free_blocks"] < stats["num_blocks"]
+        ):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _events(response: httpx.Response) -> list:
@@ -29,7 +81,15 @@ def test_model_replica_is_pinned_to_the_npu_node(cluster, http):
     info = handle.device_info.remote().result(timeout_s=30)
     assert info["node_id"] in cluster.npu_node_ids  # the head advertises no NPU
     assert info["ASCEND_RT_VISIBLE_DEVICES"] == "0"
-    # the ingress and the tokenizer pool ask for no NPU, so they run on the head as well
+    # Ray's accounting agrees: of the cluster's two NPUs exactly one is taken, the model
+    # replica's; the ingress and the tokenizer pool ask for none (they may run on any node)
+    import ray
+
+    assert ray.cluster_resources().get("NPU") == 2
+    deadline = time.monotonic() + 30  # the resource view catches up within a few heartbeats
+    while ray.available_resources().get("NPU", 0) != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("NPU", 0) == 1, ray.available_resources()
     reply = http.post("/infer", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
     assert reply.is_success
 
@@ -121,42 +181,84 @@ def test_triton_generate_example(http):
     assert r.status_code >= 400 and set(r.json()) == {"error"}
 
 
-def test_client_disconnect_aborts_and_frees_kv(server, kv_idle_http):
+def test_client_disconnect_aborts_and_frees_kv(server, kv_idle_http, s_per_token):
     body = {"inputs": "tell me a long story", "stream": True,
-            "parameters": {"max_new_tokens": 60, "details": True}}  # fmt: skip
+            "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "do_sample": False,
+                           "details": True}}  # fmt: skip
     with httpx.Client(base_url=server, timeout=60) as c:
         with c.stream("POST", "/infer", json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break  # the first token arrived: hang up
-    assert kv_idle_http()
+    assert_freed_early(kv_idle_http, time.monotonic(), LONG_MAX_TOKENS - 1, s_per_token)
 
 
-def test_stop_infer_over_http(server, http, kv_idle_http):
-    body = {"id": "stop-me", "text_input": "count", "parameters": {"max_new_tokens": 64}}
-    result = {}
+def test_stop_infer_over_http(server, http, kv_idle_http, s_per_token):
+    body = {"id": "stop-me", "text_input": "count",
+            "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0,
+                           "details": True}}  # fmt: skip
+    result, first = {"events": []}, threading.Event()
 
     def run():
         with httpx.Client(base_url=server, timeout=60) as c:
             with c.stream("POST", "/v2/models/demo/generate_stream", json=body) as r:
-                result["events"] = _events(r)
+                result["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        result["events"].append(json.loads(line[len("data: ") :]))
+                        first.set()
+        first.set()  # ended without any event: let the test see it
 
     thread = threading.Thread(target=run)
     thread.start()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        r = http.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
-        if r.status_code == 200:
-            break
-        time.sleep(0.05)
+    assert first.wait(60), "no event within 60 s"
+    assert result["status"] == 200 and result["events"], result
+    r = http.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})  # registered: it streams
+    stopped_at = time.monotonic()
     assert r.status_code == 200 and r.json() == {"id": "stop-me"}
-    thread.join(30)
-    assert kv_idle_http()
+    thread.join(60)
+    assert not thread.is_alive(), "the stream did not end after stopInfer"
+    events = result["events"]
+    assert all("error" not in e for e in events)
+    details = events[-1]["details"]  # the stream ended early, as stopped
+    assert details["finish_reason"] == "stop_sequence"
+    assert 1 <= details["generated_tokens"] < LONG_MAX_TOKENS
+    left = LONG_MAX_TOKENS - details["generated_tokens"]
+    assert_freed_early(kv_idle_http, stopped_at, left, s_per_token)
     assert http.post("/v2/models/demo/stopInfer", json={"id": "stop-me"}).status_code == 404
 
 
-def test_metrics(http):
+def _demo_metrics(http) -> dict[str, float]:
+    """/metrics' samples labelled model_name="demo" (name -> value; labels beyond it kept in
+    the name, e.g. a histogram bucket's le)."""
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("#") or 'model_name="demo"' not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        name, labels = key.split("{", 1)
+        rest = ",".join(p for p in labels.rstrip("}").split(",") if p != 'model_name="demo"')
+        values[f"{name}{{{rest}}}" if rest else name] = float(value)
+    return values
+
+
+def test_metrics(http, kv_idle_http):
+    assert kv_idle_http()
+    before = _demo_metrics(http)
+    # N streamed requests of known prompt and output lengths (streamed: the ingress sees each
+    # token arrive, so the time to first token and per output token are real intervals)
+    prompts = [[5618, 19678, 701, 9072, 13], [9707, 11, 1879, 0], list(range(1000, 1012))]
+    generated = 0
+    for i, ids in enumerate(prompts):
+        body = {"input_id": ids, "stream": True,
+                "parameters": {"max_new_tokens": 6 + i, "details": True,
+                               "do_sample": False}}  # fmt: skip
+        with http.stream("POST", "/infer_token", json=body) as r:
+            assert r.status_code == 200
+            events = _events(r)
+        assert events[-1]["details"]["generated_tokens"] == len(events) == 6 + i
+        generated += 6 + i
     text = http.get("/metrics").text
     for name in (
         "request_received_total", "request_success_total", "prompt_tokens_total",
@@ -167,15 +269,50 @@ def test_metrics(http):
     ):  # fmt: skip
         lines = [line for line in text.splitlines() if line.startswith(name + "{")]
         assert any('model_name="demo"' in line for line in lines), name
+    after = _demo_metrics(http)
+
+    def rose(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    n = len(prompts)
+    assert rose("request_received_total") >= n
+    assert rose("request_success_total") >= n
+    assert rose("prompt_tokens_total") >= sum(map(len, prompts))
+    assert rose("generation_tokens_total") >= generated
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                      "e2e_request_latency_seconds", "request_prompt_tokens",
+                      "request_generation_tokens"):  # fmt: skip
+        assert rose(f"{histogram}_count") >= n, histogram
+        assert rose(f"{histogram}_sum") > 0, histogram
+        # every observation falls in the +Inf bucket, which counts them all
+        assert rose(f'{histogram}_bucket{{le="+Inf"}}') == rose(f"{histogram}_count"), histogram
+    # the token histograms observe the tokens themselves
+    assert rose("request_prompt_tokens_sum") >= sum(map(len, prompts))
+    assert rose("request_generation_tokens_sum") >= generated
+    assert rose("request_failed_total") == 0
+    # nothing runs now, and the engine gauges say so
+    assert after["num_requests_running"] == 0 and after["num_requests_waiting"] == 0
+    assert after["npu_cache_usage_perc"] == 0
 
 
-def test_non_stream_client_that_gives_up_leaves_nothing_behind(server, kv_idle_http):
-    body = {"model": "demo", "prompt": "a long answer please", "max_tokens": 64,
-            "n": 4, "temperature": 1.0}  # fmt: skip
-    with httpx.Client(base_url=server, timeout=0.2) as c:
-        with pytest.raises(httpx.TimeoutException):
-            c.post("/v1/completions", json=body)
-    assert kv_idle_http(10)
+def test_non_stream_client_that_gives_up_leaves_nothing_behind(server, kv_idle_http, s_per_token):
+    body = {"model": "demo", "prompt": "a long answer please", "max_tokens": LONG_MAX_TOKENS,
+            "n": 4, "temperature": 1.0, "ignore_eos": True}  # fmt: skip
+
+    async def give_up() -> float:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as c:
+            request = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            # once the replica runs it (polled), the client gives up: its connection closes
+            running = await asyncio.to_thread(_wait_running)
+            assert not request.done(), "the request ended before the client could give up"
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            assert running, "the replica never ran the request"
+            return time.monotonic()
+
+    gave_up_at = asyncio.run(give_up())
+    assert_freed_early(kv_idle_http, gave_up_at, LONG_MAX_TOKENS, s_per_token)
 
 
 DOC_EXAMPLES = [  # MindIE's chat and completions request examples, on the model served here
@@ -250,13 +387,15 @@ def test_databricks_family_over_ray(server, kv_idle_http):
     assert kv_idle_http()
 
 
-def test_batch_completion_stream_disconnect_frees_every_prompt(server, kv_idle_http):
-    body = {"prompt": ["tell me a story", "and another", "and a third"], "max_tokens": 60,
-            "stream": True, "n": 2}  # fmt: skip
+def test_batch_completion_stream_disconnect_frees_every_prompt(server, kv_idle_http, s_per_token):
+    # greedy: nothing but the length could end any of the six choices
+    body = {"prompt": ["tell me a story", "and another", "and a third"],
+            "max_tokens": LONG_MAX_TOKENS, "stream": True, "n": 2, "temperature": 0}  # fmt: skip
     with httpx.Client(base_url=server, timeout=60) as c:
         with c.stream("POST", "/serving-endpoints/demo/invocations", json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: "):
+                    assert "error" not in json.loads(line[len("data: ") :]), line
                     break  # the first choice's first text arrived: hang up
-    assert kv_idle_http()
+    assert_freed_early(kv_idle_http, time.monotonic(), LONG_MAX_TOKENS - 1, s_per_token)
