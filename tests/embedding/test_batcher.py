@@ -52,7 +52,8 @@ def test_calls_arriving_during_a_batch_go_into_the_next_one():
         first = asyncio.ensure_future(batcher.submit("a"))
         await asyncio.to_thread(run.started.wait, 10)  # "a" is running alone
         later = [asyncio.ensure_future(batcher.submit(x)) for x in "bcd"]
-        await asyncio.sleep(0.05)
+        while len(batcher._pending) < 3:  # b, c and d queued behind the running batch
+            await asyncio.sleep(0)
         run.release.set()
         return await first, await asyncio.gather(*later)
 

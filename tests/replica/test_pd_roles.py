@@ -260,7 +260,14 @@ class LostConnector(LocalConnector):
 
 
 class StuckConnector(LocalConnector):
+    """A fetch that never ends; `entered` is set once a fetch is waiting in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered = asyncio.Event()
+
     async def fetch(self, transfer):
+        self.entered.set()
         await asyncio.Event().wait()
 
 
@@ -300,7 +307,8 @@ def test_closing_decode_early_frees_blocks_on_both_replicas(prefill, decode, pro
 
 
 def test_cancel_during_fetch_and_during_prefill(prefill, decode, prompt, monkeypatch):
-    monkeypatch.setattr(decode, "connector", StuckConnector())
+    stuck = StuckConnector()
+    monkeypatch.setattr(decode, "connector", stuck)
     req = request(prompt, params())
 
     async def run():
@@ -309,7 +317,7 @@ def test_cancel_during_fetch_and_during_prefill(prefill, decode, prompt, monkeyp
         task = asyncio.ensure_future(
             decode.decode(DecodeRequest(req, first, result.transfer)).__anext__()
         )
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(stuck.entered.wait(), 30)  # the decode is inside its fetch
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
