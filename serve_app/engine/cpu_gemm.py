@@ -47,6 +47,18 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ W^T + b), the activation applied by the GEMM as it writes its output."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [None], "")
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """other + (x @ W^T + b) in one pass (a residual add fused into the GEMM)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ W^T + b) * other in one pass."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 

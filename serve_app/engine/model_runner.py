@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.engine import attention, cpu_gemm, kv_transfer
+from serve_app.engine import attention, cpu_gemm, cpu_layers, kv_transfer
 from serve_app.engine.attention_metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
@@ -31,8 +31,12 @@ class ModelRunner:
         self.model.set_attn_implementation(self._attention_backend())
         self.lm_head = self._plain_lm_head()
         self.packed_linears = 0  # CPU: the decoder's (and head's) Linears prepacked for oneDNN
+        self.fused_layers = 0  # CPU: decoder layers computed by cpu_layers.FusedDecoderLayer
         if cpu_gemm.supported(self.device, self.dtype):
-            self.packed_linears = cpu_gemm.pack_linears(self.model.get_decoder())
+            decoder = self.model.get_decoder()
+            hidden_act = getattr(self.hf_config, "hidden_act", None)
+            self.fused_layers = cpu_layers.fuse_decoder_layers(decoder, hidden_act)
+            self.packed_linears = cpu_gemm.pack_linears(decoder)
             if self.lm_head is not None:
                 self.lm_head = cpu_gemm.PackedLinear(self.lm_head.weight)
                 self.packed_linears += 1

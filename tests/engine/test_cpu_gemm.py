@@ -50,6 +50,9 @@ def test_the_engine_packs_its_linears_on_cpu():
     from serve_app.engine.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model="demo-tiny", dtype="float32", num_kv_blocks=4))
-    layers = runner.hf_config.num_hidden_layers
-    assert runner.packed_linears == 7 * layers + 1  # q k v o gate up down per layer, LM head
+    # the decoder layers are fused (q/k/v, o, gate, up and down packed inside each), the LM head
+    # is packed on its own
+    assert runner.fused_layers == runner.hf_config.num_hidden_layers
+    assert runner.packed_linears == 1
     assert isinstance(runner.lm_head, cpu_gemm.PackedLinear)
+    assert not any(isinstance(m, nn.Linear) for m in runner.model.get_decoder().modules())
