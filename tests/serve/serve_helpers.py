@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import threading
 import time
 
 import httpx
@@ -115,3 +117,33 @@ def assert_freed_early(idle, hung_up_at: float, tokens_left: int, s_per_token: f
         f"idle {took:.1f} s after the abort, but the request would have ended by itself in "
         f"~{natural:.1f} s: this proves no abort (make the request longer)"
     )
+
+
+def stop_infer_mid_stream(url: str, http, request_id: str, body: dict, after_events: int):
+    """Stream `body` (carrying `request_id`) from MindIE's generate_stream on a thread, call
+    stopInfer once `after_events` events have arrived, wait for the stream to end; the events
+    and the time of the stop. Fails if the stream never got that far or did not end."""
+    result, reached = {"events": []}, threading.Event()
+
+    def run():
+        with httpx.Client(base_url=url, timeout=60) as c:
+            with c.stream("POST", "/v2/models/demo/generate_stream", json=body) as r:
+                result["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        result["events"].append(json.loads(line[len("data: ") :]))
+                        if len(result["events"]) >= after_events:
+                            reached.set()
+        reached.set()  # ended before that: let the caller see it
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert reached.wait(60), f"not {after_events} events within 60 s"
+    assert result["status"] == 200 and len(result["events"]) >= after_events, result
+    stopped = http.post("/v2/models/demo/stopInfer", json={"id": request_id})
+    stopped_at = time.monotonic()
+    assert stopped.status_code == 200 and stopped.json() == {"id": request_id}
+    thread.join(60)
+    assert not thread.is_alive(), "the stream did not end after stopInfer"
+    assert all("error" not in e for e in result["events"])
+    return result["events"], stopped_at

@@ -24,6 +24,7 @@ from serve_helpers import (
     assert_freed_early,
     deploy,
     seconds_per_token,
+    stop_infer_mid_stream,
 )
 
 pytestmark = pytest.mark.slow
@@ -273,30 +274,8 @@ def test_stop_infer_and_timeout_free_both_sides(long_server, http, kv_idle_http,
     body = {"id": "pd-stop", "text_input": "go",
             "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0,
                            "details": True}}  # fmt: skip
-    result, decoding = {"events": []}, threading.Event()
-
-    def run():
-        with httpx.Client(base_url=long_server, timeout=60) as c:
-            with c.stream("POST", "/v2/models/demo/generate_stream", json=body) as r:
-                result["status"] = r.status_code
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        result["events"].append(json.loads(line[6:]))
-                        if len(result["events"]) >= 3:  # prefill's token, then decode's
-                            decoding.set()
-        decoding.set()  # ended before that: let the test see it
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert decoding.wait(60), "no decode token within 60 s"
-    assert result["status"] == 200 and len(result["events"]) >= 3, result
-    stopped = http.post("/v2/models/demo/stopInfer", json={"id": "pd-stop"})
-    stopped_at = time.monotonic()
-    assert stopped.status_code == 200 and stopped.json() == {"id": "pd-stop"}
-    thread.join(60)
-    assert not thread.is_alive(), "the stream did not end after stopInfer"
-    events = result["events"]
-    assert all("error" not in e for e in events)
+    # stopped after the prefill's token and two of the decode's
+    events, stopped_at = stop_infer_mid_stream(long_server, http, "pd-stop", body, 3)
     details = events[-1]["details"]  # the stream ended early, as stopped
     assert details["finish_reason"] == "stop_sequence"
     assert 3 <= details["generated_tokens"] < LONG_MAX_TOKENS

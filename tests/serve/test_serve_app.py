@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
@@ -21,6 +20,7 @@ from serve_helpers import (
     assert_freed_early,
     deploy,
     seconds_per_token,
+    stop_infer_mid_stream,
 )
 
 pytestmark = pytest.mark.slow
@@ -198,29 +198,7 @@ def test_stop_infer_over_http(server, http, kv_idle_http, s_per_token):
     body = {"id": "stop-me", "text_input": "count",
             "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0,
                            "details": True}}  # fmt: skip
-    result, first = {"events": []}, threading.Event()
-
-    def run():
-        with httpx.Client(base_url=server, timeout=60) as c:
-            with c.stream("POST", "/v2/models/demo/generate_stream", json=body) as r:
-                result["status"] = r.status_code
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        result["events"].append(json.loads(line[len("data: ") :]))
-                        first.set()
-        first.set()  # ended without any event: let the test see it
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert first.wait(60), "no event within 60 s"
-    assert result["status"] == 200 and result["events"], result
-    r = http.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})  # registered: it streams
-    stopped_at = time.monotonic()
-    assert r.status_code == 200 and r.json() == {"id": "stop-me"}
-    thread.join(60)
-    assert not thread.is_alive(), "the stream did not end after stopInfer"
-    events = result["events"]
-    assert all("error" not in e for e in events)
+    events, stopped_at = stop_infer_mid_stream(server, http, "stop-me", body, 1)
     details = events[-1]["details"]  # the stream ended early, as stopped
     assert details["finish_reason"] == "stop_sequence"
     assert 1 <= details["generated_tokens"] < LONG_MAX_TOKENS
