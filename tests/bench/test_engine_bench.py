@@ -102,3 +102,17 @@ def test_workload_flops_count_the_linears_the_head_and_attention(eb, tmp_path):
     # output token; attention 2 x 2 x 2 layers x 8 x 12^2 / 2 = 4608 per request
     per_request = 12 * 2304 + 7 * 1600 + 4608
     assert eb.workload_gflop(tmp_path, args) == pytest.approx(3 * per_request / 1e9)
+
+
+def test_vllm_is_compared_with_the_runs_of_ours_around_it(eb):
+    systems = {
+        "ours": {"tokens_per_s": 100.0},
+        "ours_again": {"tokens_per_s": 80.0},  # the machine slowed down during the run
+        "vllm": {"tokens_per_s": 90.0},
+        "hf_static": {"tokens_per_s": 50.0},
+    }
+    ratios = eb.ratios_ours_over(systems)
+    assert ratios["vllm"]["ratio"] == pytest.approx(1.0) and ratios["vllm"]["met"] is False
+    assert ratios["hf_static"]["ratio"] == pytest.approx(2.0)  # measured beside the first run
+    del systems["ours_again"]
+    assert eb.ratios_ours_over(systems)["vllm"]["ratio"] == pytest.approx(100 / 90)
