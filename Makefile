@@ -30,7 +30,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check serve_app tests bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve_app.config import load_config
+from serve_app.protocol.errors import family_for_path
 
 ROUTE_TEST_CONFIG = {
     "BackendConfig": {
@@ -252,3 +253,16 @@ def engine_watch(long_client, monkeypatch):
     assert watch.idle(), f"the long app was busy before the test: {watch.stats()}"
     watch.steps = 0
     return watch
+
+
+def in_family_envelope(path: str, body) -> bool:
+    """Is this error body the envelope of the route's API family?"""
+    family = family_for_path(path)
+    if family == "mindie":
+        return isinstance(body, dict) and {"error", "error_type"} <= body.keys()
+    if family == "openai":
+        error = body.get("error") if isinstance(body, dict) else None
+        return isinstance(error, dict) and {"message", "type", "param", "code"} <= error.keys()
+    if family == "databricks":
+        return isinstance(body, dict) and {"error_code", "message"} <= body.keys()
+    return isinstance(body, dict) and isinstance(body.get("error"), str)

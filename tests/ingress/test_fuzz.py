@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from serve_app.protocol.errors import family_for_path
+from tests.ingress.conftest import in_family_envelope
 
 EXAMPLES = int(os.environ.get("SERVE_APP_FUZZ_EXAMPLES", "40"))
 
@@ -26,19 +26,6 @@ def _operations(app) -> list:
     config.projects.default.generation.update(database="none")
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
     return [result.ok() for result in schema.get_all_operations()]
-
-
-def _shaped(path: str, status: int, body) -> bool:
-    """Is this error body the envelope of the route's family?"""
-    family = family_for_path(path)
-    if family == "mindie":
-        return isinstance(body, dict) and {"error", "error_type"} <= body.keys()
-    if family == "openai":
-        error = body.get("error") if isinstance(body, dict) else None
-        return isinstance(error, dict) and {"message", "type", "param", "code"} <= error.keys()
-    if family == "databricks":
-        return isinstance(body, dict) and {"error_code", "message"} <= body.keys()
-    return isinstance(body, dict) and isinstance(body.get("error"), str)
 
 
 def _timed_out(status: int, body) -> bool:
@@ -57,7 +44,7 @@ def _check(case) -> None:
     if status >= 500:
         assert _timed_out(status, body), (*where, status, body)
     elif status >= 400:
-        assert _shaped(case.formatted_path, status, body), (*where, status, body)
+        assert in_family_envelope(case.formatted_path, body), (*where, status, body)
 
 
 def test_no_input_gets_a_server_error_or_a_foreign_error_shape(route_app):

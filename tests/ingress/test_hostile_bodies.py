@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.ingress.conftest import ROUTE_TEST_CONFIG, local_app
-from tests.ingress.test_fuzz import _shaped
+from tests.ingress.conftest import ROUTE_TEST_CONFIG, in_family_envelope, local_app
 
 POST_ROUTES = [
     "/infer", "/infer_token", "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
@@ -39,7 +38,7 @@ BODIES = {
 def test_a_hostile_body_is_a_client_error_in_the_family_shape(client, path, body):
     response = client.post(path, content=BODIES[body], headers={"content-type": "application/json"})
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
-    assert _shaped(path, response.status_code, response.json()), response.text[:300]
+    assert in_family_envelope(path, response.json()), response.text[:300]
 
 
 @pytest.fixture(scope="module")
