@@ -14,11 +14,14 @@ $(BIN)/python:
 # Reinstall only when the project metadata changes. torch goes first, pinned to the CPU build,
 # so that no dependency pulls a CUDA wheel.
 # Then the built-in SmolLM2 is converted into the model cache once (a no-op when it is there;
-# a replica that finds it missing converts it the same way on first use).
+# a replica that finds it missing converts it the same way on first use), and the engine's CPU
+# kernels are compiled into the same cache (likewise; without a C++ compiler the engine runs
+# without them and says so).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]' $(TORCH)
 	$(BIN)/python -m serve_app.models.smollm2
+	$(BIN)/python -m serve_app.engine.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,7 +3,8 @@
 The model runs once per step over all scheduled tokens of all sequences, concatenated. Per-step
 metadata (built once, used by every layer) says where each token's K/V goes in the paged cache
 and which cached positions each query may see. Sequences with one new token (decodes) attend
-over their gathered blocks in one batched call; prompt chunks are padded into a second batched
+over their gathered blocks in one batched call, or through a kernel that reads the blocks in
+place where the runner has one (cpu_kernels, on CPU); prompt chunks are padded into a second batched
 call, reading fresh K/V directly when no sequence has cached context.
 """
 
@@ -50,7 +51,12 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
     nd = md.num_decodes
-    if nd:
+    if nd and md.decode_kernel is not None:
+        scale = scaling if scaling is not None else head_dim**-0.5
+        out[:nd] = md.decode_kernel(
+            q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale
+        )
+    elif nd:
         keys = _gather(k_cache, md.decode_slots)
         values = _gather(v_cache, md.decode_slots)
         o = _attend(q[:nd].unsqueeze(2), keys, values, md.decode_mask, scaling)

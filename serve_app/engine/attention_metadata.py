@@ -7,6 +7,7 @@ kernels). The batch lists one-token sequences (decodes) first, then prompt chunk
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     prefill_query_lens: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
+    # a kernel reading decode keys/values in place (cpu_kernels): then no decode_slots/mask
+    decode_kernel: Callable | None = None
 
 
 def _block_tables(seqs, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -44,9 +47,16 @@ def _key_slots(tables: torch.Tensor, length: int, block_size: int) -> torch.Tens
 
 
 def build_metadata(
-    seqs, num_new: list[int], kv_caches, block_size: int, device: torch.device
+    seqs,
+    num_new: list[int],
+    kv_caches,
+    block_size: int,
+    device: torch.device,
+    decode_kernel: Callable | None = None,
 ) -> AttentionMetadata:
-    """Metadata for `seqs` (anything with num_computed_tokens and block_table), decodes first."""
+    """Metadata for `seqs` (anything with num_computed_tokens and block_table), decodes first.
+    With a decode_kernel, decodes attend through it (block tables and lengths) rather than over
+    gathered slots under a mask."""
     size = block_size
 
     def tensor(data):
@@ -68,16 +78,18 @@ def build_metadata(
         prefill_valid=None,
         prefill_block_tables=None,
         prefill_mask=None,
+        decode_kernel=decode_kernel,
     )
     if nd:
         decodes = seqs[:nd]
         lengths = [s.num_computed_tokens + 1 for s in decodes]
         context = tensor(lengths)
         md.decode_block_tables = _block_tables(decodes, -(-max(lengths) // size), device)
-        md.decode_slots = _key_slots(md.decode_block_tables, max(lengths), size)
-        keys = torch.arange(max(lengths), device=device)
-        md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
         md.decode_context_lens = context
+        if decode_kernel is None:
+            md.decode_slots = _key_slots(md.decode_block_tables, max(lengths), size)
+            keys = torch.arange(max(lengths), device=device)
+            md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
     prompts, lens = seqs[nd:], num_new[nd:]
     if prompts:
         q_max = max(lens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.engine import attention, cpu_gemm, cpu_layers, kv_transfer
+from serve_app.engine import attention, cpu_gemm, cpu_kernels, cpu_layers, kv_transfer
 from serve_app.engine.attention_metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
@@ -32,7 +32,9 @@ class ModelRunner:
         self.lm_head = self._plain_lm_head()
         self.packed_linears = 0  # CPU: the decoder's (and head's) Linears prepacked for oneDNN
         self.fused_layers = 0  # CPU: decoder layers computed by cpu_layers.FusedDecoderLayer
+        self.decode_kernel = None  # CPU: decode attention reading the paged cache in place
         if cpu_gemm.supported(self.device, self.dtype):
+            self.decode_kernel = cpu_kernels.paged_decode_attention()
             decoder = self.model.get_decoder()
             hidden_act = getattr(self.hf_config, "hidden_act", None)
             self.fused_layers = cpu_layers.fuse_decoder_layers(decoder, hidden_act)
@@ -134,7 +136,9 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             last[i] = len(ids) - 1
-        md = build_metadata(seqs, num_new, self.kv_caches, self.block_size, self.device)
+        md = build_metadata(
+            seqs, num_new, self.kv_caches, self.block_size, self.device, self.decode_kernel
+        )
         keep = self._tensor([last[i] for i in sample])
         inputs = dict(
             input_ids=self._tensor(ids)[None],

@@ -1,0 +1,121 @@
+"""The engine's own CPU kernels (serve_app/engine/csrc), compiled on first use.
+
+`paged_decode_attention()` returns torch.ops.serve_app_cpu.paged_decode_attention, decode
+attention that reads keys and values in place in the paged cache, or None where it cannot be had:
+no C++ compiler or ninja on the machine, a failed build, or SERVE_APP_CPU_KERNELS=0. Then the
+engine keeps its portable path (gather the keys and values, then torch's attention) and logs why
+once.
+
+The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
+PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
+model cache under kernels/<cpu and torch fingerprint>, so every later process, replica and
+engine process on the machine loads it in milliseconds. `python -m serve_app.engine.cpu_kernels`
+builds it ahead of time (`make install` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"]
+ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _fingerprint() -> str:
+    """The CPU's feature flags, the torch build and the sources: a build is reused only on the
+    machine kind it was tuned for."""
+    digest = hashlib.sha256()
+    try:
+        flags = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith(("flags", "Features"))),
+            "",
+        )  # fmt: skip
+    except OSError:
+        flags = ""
+    digest.update(f"{platform.machine()}|{flags}|{torch.__version__}".encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _build_dir() -> Path:
+    from serve_app.models.cache import cache_root
+
+    return cache_root() / "kernels" / _fingerprint()
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the PyPI package puts it in the venv's bin, which
+    is not on PATH when the venv's python is run directly."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+
+
+def _load() -> None:
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    build = _build_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    else:
+        flags.append("-mcpu=native")
+    cpp_extension.load(
+        name="serve_app_cpu_kernels",
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],  # libgomp: the one torch has loaded already (same soname)
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def paged_decode_attention():
+    """The compiled op, or None (the reason logged once)."""
+    with _lock:
+        if "op" not in _state:
+            op = None
+            if os.environ.get(ENV_SWITCH, "1") == "0":
+                reason = f"{ENV_SWITCH}=0"
+            else:
+                try:
+                    _load()
+                    op = torch.ops.serve_app_cpu.paged_decode_attention
+                    reason = ""
+                except Exception as exc:  # no compiler, no ninja, a failed build
+                    reason = f"{type(exc).__name__}: {str(exc).strip()[-500:]}"
+            if op is None:
+                log.warning(
+                    "CPU decode attention kernel not used (%s); attention gathers the cached "
+                    "keys and values instead (slower at long contexts)",
+                    reason,
+                )
+            _state["op"] = op
+        return _state["op"]
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print("built" if paged_decode_attention() is not None else "not built (see the warning)")

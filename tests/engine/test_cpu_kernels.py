@@ -1,0 +1,145 @@
+"""The compiled CPU decode attention (serve_app/engine/cpu_kernels.py): the same results as
+attention over gathered keys/values, for the shapes models have, and a clean fallback where it
+cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from serve_app.engine import cpu_kernels
+from serve_app.engine.attention import _attend, _gather
+
+
+@pytest.fixture(scope="module")
+def op():
+    kernel = cpu_kernels.paged_decode_attention()
+    assert kernel is not None, "the kernel did not build on this machine (see the log)"
+    return kernel
+
+
+def _paged(dtype, num_seqs, heads, kv_heads, head_dim, block_size, lens, seed=0):
+    """Random caches with each sequence's blocks scattered over the pool, and its inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // block_size)
+    pool = num_seqs * width + 3
+    k = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(pool, generator=gen)[: num_seqs * width].view(num_seqs, width)
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, tables, torch.tensor(lens)
+
+
+def _reference(q, k, v, tables, lens, scale):
+    """float64 attention of each query over its sequence's first lens[b] cached positions."""
+    block_size = k.shape[1]
+    length = int(lens.max())
+    positions = torch.arange(length)
+    slots = tables[:, positions // block_size] * block_size + positions % block_size
+    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+    keys, values = _gather(k.double(), slots), _gather(v.double(), slots)
+    return _attend(q.double().unsqueeze(2), keys, values, mask, scale).squeeze(2)
+
+
+SHAPES = [
+    # heads, kv_heads, head_dim, block_size, context lengths
+    (9, 3, 64, 128, [1, 2, 127, 128, 129, 300]),  # SmolLM2: grouped queries, block edges
+    (4, 4, 32, 16, [5, 16, 17, 64]),  # no grouping
+    (14, 2, 64, 16, [33, 1, 48]),  # Qwen2-style groups of 7
+    (8, 2, 80, 32, [7, 100]),  # a head size that is not a multiple of the vector width
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,lens", SHAPES)
+def test_matches_attention_over_the_gathered_cache(
+    op, dtype, heads, kv_heads, head_dim, block_size, lens
+):
+    q, k, v, tables, context = _paged(dtype, len(lens), heads, kv_heads, head_dim, block_size, lens)
+    scale = head_dim**-0.5
+    got = op(q, k, v, tables, context, scale)
+    want = _reference(q, k, v, tables, context, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    else:  # no further from exact than torch's own bf16 attention over the same cache
+        ours = (got.double() - want).abs().max()
+        block = k.shape[1]
+        length = int(context.max())
+        pos = torch.arange(length)
+        slots = tables[:, pos // block] * block + pos % block
+        mask = (pos[None, :] < context[:, None])[:, None, None, :]
+        torch_bf16 = _attend(q.unsqueeze(2), _gather(k, slots), _gather(v, slots), mask, scale)
+        theirs = (torch_bf16.squeeze(2).double() - want).abs().max()
+        assert ours <= max(1.5 * theirs, 1e-2), (ours, theirs)
+
+
+def test_reads_only_the_context_each_sequence_owns(op):
+    """Positions past a sequence's length, and blocks not in its table, never count."""
+    q, k, v, tables, context = _paged(torch.float32, 2, 4, 2, 16, 8, [5, 12])
+    before = op(q, k, v, tables, context, 0.25)
+    k2, v2 = k.clone(), v.clone()
+    used = {(int(tables[0, 0]), t) for t in range(5)}
+    used |= {(int(tables[1, t // 8]), t % 8) for t in range(12)}
+    for block in range(k.shape[0]):
+        for slot in range(k.shape[1]):
+            if (block, slot) not in used:
+                k2[block, slot] = 1e4
+                v2[block, slot] = -1e4
+    torch.testing.assert_close(op(q, k2, v2, tables, context, 0.25), before)
+
+
+def test_uses_the_scale_it_is_given(op):
+    q, k, v, tables, context = _paged(torch.float32, 3, 4, 2, 16, 8, [3, 9, 20])
+    for scale in (0.1, 1.0, 2.5):
+        want = _reference(q, k, v, tables, context, scale)
+        got = op(q, k, v, tables, context, scale).double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds(op):
+    q, k, v, tables, context = _paged(torch.float32, 2, 4, 2, 16, 8, [5, 12])
+    with pytest.raises(RuntimeError, match="context length"):
+        op(q, k, v, tables, torch.tensor([5, 17]), 1.0)  # 17 > 2 blocks of 8
+    with pytest.raises(RuntimeError, match="context length"):
+        op(q, k, v, tables, torch.tensor([0, 5]), 1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        op(q.bfloat16(), k, v, tables, context, 1.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        op(torch.randn(2, 3, 16), k, v, tables, context, 1.0)
+    with pytest.raises(RuntimeError, match="one block table row"):
+        op(q, k, v, tables[:1], context, 1.0)
+
+
+def test_the_engine_decodes_through_the_kernel(op):
+    from serve_app.engine.attention_metadata import build_metadata
+
+    class Seq:
+        def __init__(self, computed, table):
+            self.num_computed_tokens, self.block_table = computed, table
+
+    caches = [(torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16))]
+    md = build_metadata([Seq(9, [2, 0]), Seq(3, [1])], [1, 1], caches, 8, torch.device("cpu"), op)
+    assert md.decode_kernel is op and md.decode_slots is None and md.decode_mask is None
+    assert md.decode_context_lens.tolist() == [10, 4]
+
+
+def test_switched_off_or_unbuildable_means_none_and_a_warning(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.paged_decode_attention() is None
+    assert "SERVE_APP_CPU_KERNELS=0" in caplog.text
+
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
+    monkeypatch.setenv("SERVE_APP_CACHE", str(tmp_path / "cache"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.paged_decode_attention() is None
+    assert "not used" in caplog.text and "gathers" in caplog.text
