@@ -48,7 +48,8 @@ SHAPES = [
     (9, 3, 64, 128, [1, 2, 127, 128, 129, 300]),  # SmolLM2: grouped queries, block edges
     (4, 4, 32, 16, [5, 16, 17, 64]),  # no grouping
     (14, 2, 64, 16, [33, 1, 48]),  # Qwen2-style groups of 7
-    (8, 2, 80, 32, [7, 100]),  # a head size that is not a multiple of the vector width
+    (8, 2, 128, 16, [40, 3, 16]),  # Llama-style head size
+    (8, 2, 80, 32, [7, 100]),  # a head size without a vectorised path
 ]
 
 

@@ -149,6 +149,134 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   });
 }
 
+// --- whole 16-float vectors (GCC/Clang vector extensions: AVX-512 registers here, two AVX2 or
+// four NEON registers elsewhere), for head sizes that are a multiple of 16 ----------------------
+
+constexpr int64_t kLanes = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf vload(const c10::BFloat16* p) {
+  vh half;
+  std::memcpy(&half, p, sizeof(half));
+  vi bits = __builtin_convertvector(half, vi) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// a[i] + a[i + k] folded pairwise from two vectors, by the lane masks lo and hi
+inline vf fold(vf a, vf b, vi lo, vi hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// sum(v[i]) for 16 vectors at once, lane i of the result: 15 folds instead of 16 reductions
+inline vf sum16(const vf* v) {
+  const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold(v[2 * i], v[2 * i + 1], lo1, hi1);
+  for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], lo2, hi2);
+  for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], lo3, hi3);
+  return fold(c[0], c[1], lo4, hi4);
+}
+
+// kVecs = head_dim / 16. Each key and value row is loaded (and widened from bfloat16) once for
+// the whole group of query heads; scores come 16 tokens at a time.
+template <typename T, int64_t kVecs>
+void decode_attention_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                          const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t block_size, int64_t table_width,
+                          int64_t max_len, float scale) {
+  constexpr int64_t dim = kVecs * kLanes;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row = num_kv_heads * dim;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vf> query(group * kVecs), acc(group * kVecs), partial(group * kLanes);
+    std::vector<float> scores(group * (max_len + kLanes)), inverse(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads;
+      const int64_t h = item % num_kv_heads;
+      const int64_t len = lens[b];
+      const int64_t* table = tables + b * table_width;
+      const int64_t stride = max_len + kLanes;  // room for a whole last chunk of 16
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qg = q + (b * num_heads + h * group + g) * dim;
+        for (int64_t j = 0; j < kVecs; ++j) query[g * kVecs + j] = vload(qg + j * kLanes) * scale;
+      }
+      for (int64_t first = 0; first < len; first += block_size) {
+        const T* keys = k_cache + table[first / block_size] * block_size * row + h * dim;
+        const int64_t count = std::min(block_size, len - first);
+        for (int64_t chunk = 0; chunk < count; chunk += kLanes) {
+          const int64_t n = std::min(kLanes, count - chunk);
+          for (int64_t i = 0; i < kLanes; ++i) {
+            if (i >= n) {  // past the context: zeros, their sums are never read
+              for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = vf{};
+              continue;
+            }
+            vf k[kVecs];
+            for (int64_t j = 0; j < kVecs; ++j) k[j] = vload(keys + (chunk + i) * row + j * kLanes);
+            for (int64_t g = 0; g < group; ++g) {
+              vf sum = query[g * kVecs] * k[0];
+              for (int64_t j = 1; j < kVecs; ++j) sum += query[g * kVecs + j] * k[j];
+              partial[g * kLanes + i] = sum;
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            vf sums = sum16(partial.data() + g * kLanes);
+            std::memcpy(scores.data() + g * stride + first + chunk, &sums, sizeof(sums));
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * stride;
+        float top = s[0];
+        for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) s[t] -= top;
+        exp_row(s, len);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) total += s[t];
+        inverse[g] = 1.0f / total;
+      }
+      std::fill(acc.begin(), acc.end(), vf{});
+      for (int64_t first = 0; first < len; first += block_size) {
+        const T* values = v_cache + table[first / block_size] * block_size * row + h * dim;
+        const int64_t count = std::min(block_size, len - first);
+        for (int64_t i = 0; i < count; ++i) {
+          vf v[kVecs];
+          for (int64_t j = 0; j < kVecs; ++j) v[j] = vload(values + i * row + j * kLanes);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * stride + first + i];
+            for (int64_t j = 0; j < kVecs; ++j) acc[g * kVecs + j] += p * v[j];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* og = out + (b * num_heads + h * group + g) * dim;
+        for (int64_t j = 0; j < kVecs; ++j) {
+          const vf o = acc[g * kVecs + j] * inverse[g];
+          for (int64_t l = 0; l < kLanes; ++l) store(og, j * kLanes + l, o[l]);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void dispatch_head_dim(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                        const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
@@ -158,9 +286,14 @@ void dispatch_head_dim(const T* q, const T* k_cache, const T* v_cache, const int
     kernel(q, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
            block_size, table_width, max_len, scale);
   };
+  auto run_vec = [&](auto kernel) {
+    kernel(q, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads, block_size,
+           table_width, max_len, scale);
+  };
   switch (head_dim) {
-    case 64: return run(decode_attention<T, 64>);
-    case 128: return run(decode_attention<T, 128>);
+    case 64: return run_vec(decode_attention_vec<T, 4>);
+    case 128: return run_vec(decode_attention_vec<T, 8>);
+    case 256: return run_vec(decode_attention_vec<T, 16>);
     default: return run(decode_attention<T, 0>);
   }
 }
