@@ -85,6 +85,19 @@ void exp_row(float* x, int64_t n) {
   }
 }
 
+// s[t] = exp(s[t] - max(s)) over a row; returns 1 / sum(s), the softmax's normaliser
+float softmax_row(float* s, int64_t len) {
+  float top = s[0];
+  for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) s[t] -= top;
+  exp_row(s, len);
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < len; ++t) total += s[t];
+  return 1.0f / total;
+}
+
 // kDim: the head size when known at compile time (the loops over it then unroll into whole
 // vector registers), 0 for any other head size.
 template <typename T, int64_t kDim>
@@ -119,18 +132,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
         }
       }
       // softmax over t, per query head
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * max_len;
-        float top = s[0];
-        for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] -= top;
-        exp_row(s, len);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += s[t];
-        inverse[g] = 1.0f / total;
-      }
+      for (int64_t g = 0; g < group; ++g)
+        inverse[g] = softmax_row(scores.data() + g * max_len, len);
       // out_g = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t first = 0; first < len; first += block_size) {
@@ -241,18 +244,8 @@ void decode_attention_vec(const T* q, const T* k_cache, const T* v_cache, const 
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * stride;
-        float top = s[0];
-        for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] -= top;
-        exp_row(s, len);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += s[t];
-        inverse[g] = 1.0f / total;
-      }
+      for (int64_t g = 0; g < group; ++g)
+        inverse[g] = softmax_row(scores.data() + g * stride, len);
       std::fill(acc.begin(), acc.end(), vf{});
       for (int64_t first = 0; first < len; first += block_size) {
         const T* values = v_cache + table[first / block_size] * block_size * row + h * dim;
