@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]' $(TORCH)
 	$(BIN)/python -m serve_app.models.smollm2
-	$(BIN)/python -m serve_app.engine.cpu_kernels
+	$(BIN)/python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()'
 	touch $(STAMP)
 
 install: $(STAMP)

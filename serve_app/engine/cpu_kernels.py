@@ -1,16 +1,19 @@
 """The engine's own CPU kernels (serve_app/engine/csrc), compiled on first use.
 
-`paged_decode_attention()` returns torch.ops.serve_app_cpu.paged_decode_attention, decode
-attention that reads keys and values in place in the paged cache, or None where it cannot be had:
-no C++ compiler or ninja on the machine, a failed build, or SERVE_APP_CPU_KERNELS=0. Then the
-engine keeps its portable path (gather the keys and values, then torch's attention) and logs why
-once.
+`op(name)` returns torch.ops.serve_app_cpu.<name>, or None where the kernels cannot be had: no
+C++ compiler or ninja on the machine, a failed build, or SERVE_APP_CPU_KERNELS=0. Then the
+engine keeps its portable torch path and logs why once. The ops:
+
+- `paged_decode_attention` (`paged_decode_attention()`): decode attention that reads keys and
+  values in place in the paged cache (else: gather them, then torch's sdpa);
+- `rms_norm`, `rotary_`: a fused layer's RMSNorm and rotary embedding in one pass each (else:
+  torch's rms_norm and the eager rotary ops; cpu_layers.py).
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
 model cache under kernels/<cpu and torch fingerprint>, so every later process, replica and
-engine process on the machine loads it in milliseconds. `python -m serve_app.engine.cpu_kernels`
-builds it ahead of time (`make install` does).
+engine process on the machine loads it in milliseconds. `make install` builds it ahead of time
+(`python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()'`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_decode_attention.cpp", "layer_ops.cpp")
+]
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -92,30 +98,39 @@ def _load() -> None:
     )
 
 
-def paged_decode_attention():
-    """The compiled op, or None (the reason logged once)."""
+def _loaded() -> bool:
+    """Build or load the kernels once per process; False (the reason logged once) if not."""
     with _lock:
-        if "op" not in _state:
-            op = None
+        if "loaded" not in _state:
+            reason = ""
             if os.environ.get(ENV_SWITCH, "1") == "0":
                 reason = f"{ENV_SWITCH}=0"
             else:
                 try:
                     _load()
-                    op = torch.ops.serve_app_cpu.paged_decode_attention
-                    reason = ""
                 except Exception as exc:  # no compiler, no ninja, a failed build
                     reason = f"{type(exc).__name__}: {str(exc).strip()[-500:]}"
-            if op is None:
+            if reason:
                 log.warning(
-                    "CPU decode attention kernel not used (%s); attention gathers the cached "
-                    "keys and values instead (slower at long contexts)",
+                    "CPU kernels not used (%s): decode attention gathers the cached keys and "
+                    "values instead (slower at long contexts), norms and rotary run as torch ops",
                     reason,
                 )
-            _state["op"] = op
-        return _state["op"]
+            _state["loaded"] = not reason
+        return bool(_state["loaded"])
 
 
-if __name__ == "__main__":
+def op(name: str):
+    """torch.ops.serve_app_cpu.<name>, or None where the kernels cannot be had."""
+    return getattr(torch.ops.serve_app_cpu, name) if _loaded() else None
+
+
+def paged_decode_attention():
+    """The compiled decode attention, or None."""
+    return op("paged_decode_attention")
+
+
+def build() -> None:
+    """Build (or find) the kernels now and say so: `make install` runs this ahead of first use."""
     logging.basicConfig(level=logging.INFO)
-    print("built" if paged_decode_attention() is not None else "not built (see the warning)")
+    print("CPU kernels:", "built" if _loaded() else "not built (see the warning above)")

@@ -9,9 +9,10 @@ matrix products. `FusedDecoderLayer` computes the same layer with:
 * one prepacked GEMM for q, k and v together, and one each for gate (SiLU applied by the GEMM),
   up (the product with the activated gate applied by the GEMM), o and down (each adding the
   residual as it writes its output): five GEMMs and no separate activation, product or add;
-* RMSNorm as transformers computes it (float32 statistics, cast back, then the weight), in
-  torch's fused `rms_norm`;
-* the rotary embedding applied once to q and k together.
+* RMSNorm as transformers computes it (float32 statistics, cast back, then the weight), in one
+  pass by the engine's compiled `rms_norm` (cpu_kernels.py), else torch's fused `rms_norm`;
+* the rotary embedding applied once to q and k together, in place in one pass by the compiled
+  `rotary_`, else in eager torch ops.
 
 Attention is the model's attention implementation, looked up on every call as transformers
 does, so a backend swapped in later (`set_attn_implementation`) is the one used.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from serve_app.engine import cpu_gemm
+from serve_app.engine import cpu_gemm, cpu_kernels
 
 # Decoder layer classes whose forward this module reproduces: pre-norm RMSNorm, attention with
 # q/k/v/o projections and a rotary embedding given by the model, a SiLU-gated MLP.
@@ -75,8 +76,11 @@ class _RMSNorm(nn.Module):
         self.weight = norm.weight.detach()
         self.eps = float(norm.variance_epsilon)
         self.shape = (self.weight.shape[0],)
+        self.kernel = cpu_kernels.op("rms_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype == self.weight.dtype and x.dim() == 2:
+            return self.kernel(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
@@ -114,6 +118,7 @@ class FusedDecoderLayer(nn.Module):
         self.gate_proj = cpu_gemm.PackedLinear(mlp.gate_proj.weight)
         self.up_proj = cpu_gemm.PackedLinear(mlp.up_proj.weight)
         self.down_proj = cpu_gemm.PackedLinear(mlp.down_proj.weight)
+        self.rotary = cpu_kernels.op("rotary_")
 
     def forward(
         self,
@@ -131,9 +136,12 @@ class FusedDecoderLayer(nn.Module):
         qkv = self.qkv_proj(self.input_layernorm(residual))
         qk = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
         v = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
-        cos, sin = (t[0].unsqueeze(1) for t in position_embeddings)  # [T, 1, D]
-        first, second = qk.chunk(2, dim=-1)
-        qk = qk * cos + torch.cat((-second, first), dim=-1) * sin
+        cos, sin = (t[0] for t in position_embeddings)  # [T, D]
+        if self.rotary is not None and cos.dtype == qk.dtype:
+            self.rotary(qk, cos.contiguous(), sin.contiguous())  # in place, in qkv
+        else:
+            first, second = qk.chunk(2, dim=-1)
+            qk = qk * cos.unsqueeze(1) + torch.cat((-second, first), dim=-1) * sin.unsqueeze(1)
         attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (qk[:, :heads], qk[:, heads:], v))
         out, _ = attention(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)

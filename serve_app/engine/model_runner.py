@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.engine import attention, cpu_gemm, cpu_layers, kv_transfer
+from serve_app.engine import attention, cpu_gemm, cpu_kernels, cpu_layers, kv_transfer
 from serve_app.engine.attention_metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
@@ -34,8 +34,6 @@ class ModelRunner:
         self.fused_layers = 0  # CPU: decoder layers computed by cpu_layers.FusedDecoderLayer
         self.decode_kernel = None  # CPU: decode attention reading the paged cache in place
         if cpu_gemm.supported(self.device, self.dtype):
-            from serve_app.engine import cpu_kernels  # (here: `python -m` runs that module)
-
             self.decode_kernel = cpu_kernels.paged_decode_attention()
             decoder = self.model.get_decoder()
             hidden_act = getattr(self.hf_config, "hidden_act", None)

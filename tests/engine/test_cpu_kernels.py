@@ -144,3 +144,50 @@ def test_switched_off_or_unbuildable_means_none_and_a_warning(monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         assert cpu_kernels.paged_decode_attention() is None
     assert "not used" in caplog.text and "gathers" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_rmsnorm(dtype):
+    """float32 statistics; in bfloat16 the normalised row is rounded before the weight (as
+    transformers' LlamaRMSNorm does), so the result is bit for bit transformers' own."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rms_norm = cpu_kernels.op("rms_norm")
+    gen = torch.Generator().manual_seed(3)
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=gen) * 2)
+    norm = norm.to(dtype)
+    wide = torch.randn(7, 200, generator=gen).to(dtype) * 3
+    x = wide[:, 10:106]  # rows that are not contiguous with each other
+    got = rms_norm(x, norm.weight.detach(), 1e-5)
+    want = norm(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    else:
+        assert (got.float() - want.float()).abs().max() <= 2**-6 * want.float().abs().max()
+        assert (got == want).float().mean() > 0.98  # the rest one bf16 step apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_is_transformers_rotary(dtype):
+    """In place, only on the heads it is given; in bfloat16 bit for bit transformers' eager
+    rotary (each product rounded, then the sum), in float32 to its rounding."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rotary = cpu_kernels.op("rotary_")
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, dim = 37, 12, 64
+    qkv = torch.randn(tokens, (heads + 3) * dim, generator=gen).to(dtype)
+    angles = torch.randn(tokens, dim // 2, generator=gen) * 5
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)  # a view into a wider row, as in a layer
+    before, untouched = x.clone().transpose(0, 1), qkv[:, heads * dim :].clone()
+    want, _ = apply_rotary_pos_emb(before, before, cos, sin, unsqueeze_dim=0)
+    rotary(x, cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(x, want.transpose(0, 1))
+    else:
+        torch.testing.assert_close(x, want.transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, heads * dim :], untouched)  # only the heads it was given
