@@ -4,8 +4,8 @@ The model runs once per step over all scheduled tokens of all sequences, concate
 metadata (built once, used by every layer) says where each token's K/V goes in the paged cache
 and which cached positions each query may see. Sequences with one new token (decodes) attend
 over their gathered blocks in one batched call, or through a kernel that reads the blocks in
-place where the runner has one (cpu_kernels, on CPU); prompt chunks are padded into a second batched
-call, reading fresh K/V directly when no sequence has cached context.
+place where the runner has one (cpu_kernels, on CPU); prompt chunks are padded into a second
+batched call, reading fresh K/V directly when no sequence has cached context.
 """
 
 from __future__ import annotations
