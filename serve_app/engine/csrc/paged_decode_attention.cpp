@@ -98,14 +98,13 @@ float softmax_row(float* s, int64_t len) {
   return 1.0f / total;
 }
 
-// kDim: the head size when known at compile time (the loops over it then unroll into whole
-// vector registers), 0 for any other head size.
-template <typename T, int64_t kDim>
+// Any head size, in plain loops (head sizes with a vectorised path use decode_attention_vec).
+template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                       const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t table_width, int64_t max_len, float scale) {
-  const int64_t dim = kDim ? kDim : head_dim;
+  const int64_t dim = head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * dim;  // one cached token of one layer
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -287,7 +286,7 @@ void dispatch_head_dim(const T* q, const T* k_cache, const T* v_cache, const int
     case 64: return run_vec(decode_attention_vec<T, 4>);
     case 128: return run_vec(decode_attention_vec<T, 8>);
     case 256: return run_vec(decode_attention_vec<T, 16>);
-    default: return run(decode_attention<T, 0>);
+    default: return run(decode_attention<T>);
   }
 }
 
