@@ -72,6 +72,9 @@ def start_server(config: Path, max_link_num: int, log_path: Path) -> tuple[subpr
     process = subprocess.Popen(
         [sys.executable, "-m", "serve_app", str(copy)],
         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        # Ctrl-C must reach it even when this bench runs as a background job (which inherits
+        # SIGINT ignored where job control is off)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     return process, f"http://127.0.0.1:{port}"
 

@@ -91,11 +91,19 @@ def _answers(base: str) -> None:
     assert chat["choices"][0]["message"]["role"] == "assistant"
 
 
+def _sigint_default() -> None:
+    """A command started from a background job inherits SIGINT ignored (bash does that when job
+    control is off, e.g. a CI script run with `&`), and `serve run` then never sees the Ctrl-C
+    that _stop sends: it sat out the whole kill timeout."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_sigint_default,
+        )  # fmt: skip
 
 
 def _stop(process: subprocess.Popen, sig: int = signal.SIGINT, wait_s: float = 90) -> None:
