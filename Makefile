@@ -33,7 +33,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check serve_app tests bench
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

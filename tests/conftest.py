@@ -1,28 +1,7 @@
-"""Shared fixtures: the demo models are built once per machine into the cache folder.
-
-`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): every test
-that starts Ray (the serve tests' session cluster, the CLI tests' own clusters, the object
-store connector's local Ray) is put in one group, run in order on one worker, so Ray still
-starts once at a time and the module-scoped apps stay whole; the other worker takes the rest,
-which needs no Ray. Most of the Ray tests' time is spent waiting for replicas, which the other
-worker's tests fill.
-"""
-
-from pathlib import Path
+"""Shared fixtures: the demo models are built once per machine into the cache folder."""
 
 import pytest
 import torch
-
-_TESTS = Path(__file__).parent
-# what starts Ray: one xdist group, one worker
-RAY_TESTS = ("serve/", "cluster/test_cli.py", "disagg/test_connector.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        where = Path(item.path).relative_to(_TESTS).as_posix()
-        if where.startswith(RAY_TESTS):
-            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
