@@ -61,6 +61,19 @@ def test_user_options_merge_over_the_derived_ones_per_role():
     assert model_replica_options(config, 0, {"NPU": 2})["num_replicas"] == 1  # colocated default
 
 
+def test_health_check_timing_is_configurable_and_checked():
+    default = model_replica_options(load_config({}), 0, {"CPU": 2})
+    assert (default["health_check_period_s"], default["health_check_timeout_s"]) == (10, 60)
+    config = load_config(
+        {"Deployments": {"ModelReplica": {"health_check_period_s": 1, "health_check_timeout_s": 5}}}
+    )
+    options = model_replica_options(config, 0, {"CPU": 2})
+    assert (options["health_check_period_s"], options["health_check_timeout_s"]) == (1, 5)
+    assert "health_check_period_s" not in tokenizer_pool_options(config)  # Serve's default there
+    with pytest.raises(ConfigError, match=r"Deployments.Decode.health_check_period_s.*> 0"):
+        load_config({"Deployments": {"Decode": {"health_check_period_s": 0}}})
+
+
 def test_ingress_and_tokenizer_pool_defaults_follow_mindie_limits():
     config = load_config(
         {"ServerConfig": {"maxLinkNum": 300}, "BackendConfig": {"tokenizerProcessNumber": 3}}

@@ -31,6 +31,22 @@ class DeploymentOptions(BaseModel):
     max_queued_requests: int | None = Field(
         None, ge=-1, description="Requests queued at the handle before 503s; -1 = no limit."
     )
+    health_check_period_s: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Seconds between Ray Serve's health checks of a replica (a model replica whose "
+            "engine died fails its next one and is replaced); model replicas default to 10."
+        ),
+    )
+    health_check_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Seconds a health check may take before the replica counts as unhealthy; model "
+            "replicas default to 60."
+        ),
+    )
     ray_actor_options: dict[str, Any] | None = Field(
         None,
         description=(

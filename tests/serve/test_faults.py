@@ -23,6 +23,9 @@ FAULT_ARGS.pop("EmbeddingConfig")
 FAULT_ARGS["BackendConfig"]["tokenizerProcessNumber"] = 2
 FAULT_ARGS["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 8192
 FAULT_ARGS["BackendConfig"]["ScheduleConfig"].update(maxIterTimes=4096, kvCacheBlocks=1024)
+# Serve notices a replica whose engine died at its next health check: every second here, not
+# the default 10 s, so the replacement test does not sit out the period
+FAULT_ARGS["Deployments"] = {"ModelReplica": {"health_check_period_s": 1}}
 LONG = {"model": "demo", "prompt": "tell me a long story", "max_tokens": 4000,
         "ignore_eos": True, "stream": True}  # fmt: skip
 ERROR_WITHIN_S = 5.0

@@ -17,7 +17,6 @@ from test_faults import ERROR_WITHIN_S, LONG, _actors, _kill, _serves_again, _st
 pytestmark = pytest.mark.slow
 
 ARGS = copy.deepcopy(PD_ARGS)
-ARGS.pop("EmbeddingConfig")
 ARGS["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 8192
 ARGS["BackendConfig"]["ScheduleConfig"].update(maxIterTimes=4096, kvCacheBlocks=1024)
 

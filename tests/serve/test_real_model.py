@@ -20,6 +20,7 @@ def server(cluster):
     from ray import serve
 
     args = copy.deepcopy(SERVE_TEST_ARGS)
+    args.pop("EmbeddingConfig")  # not tested here: one replica less to start
     model = {"modelName": MODEL, "modelWeightPath": MODEL, "engineProcess": True}
     args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [model]
     yield deploy(cluster, args)
@@ -165,5 +166,7 @@ def test_the_responses_api_calls_the_tool(endpoints):
     )  # fmt: skip
     (call,) = r.output
     assert (call.type, call.name, json.loads(call.arguments)) == (
-        "function_call", "get_weather", {"city": "Paris"}
+        "function_call",
+        "get_weather",
+        {"city": "Paris"},
     )
