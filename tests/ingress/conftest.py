@@ -61,6 +61,11 @@ def client(route_app):
 @pytest.fixture
 def kv_idle(client):
     """A callable: True once all KV blocks are free and nothing runs (nothing leaked)."""
+    return idle_check(client)
+
+
+def idle_check(client):
+    """kv_idle's callable for the app behind any of these test clients."""
     import time
 
     def check(timeout_s: float = 3.0) -> bool:
