@@ -49,13 +49,19 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
-    out = torch.empty_like(q)
     nd = md.num_decodes
     if nd and md.decode_kernel is not None:
         scale = scaling if scaling is not None else head_dim**-0.5
-        out[:nd] = md.decode_kernel(
+        # q as the projection left it (the kernel reads strided rows); in a step of decodes
+        # only, the kernel's output is the whole result
+        decoded = md.decode_kernel(
             q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale
         )
+        if md.prefill_index is None:
+            return decoded.unsqueeze(0), None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if nd and md.decode_kernel is not None:
+        out[:nd] = decoded
     elif nd:
         keys = _gather(k_cache, md.decode_slots)
         values = _gather(v_cache, md.decode_slots)

@@ -77,6 +77,20 @@ def test_matches_attention_over_the_gathered_cache(
         assert ours <= max(1.5 * theirs, 1e-2), (ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reads_a_strided_query_as_the_fused_projection_leaves_it(op, dtype):
+    """The query heads of a fused q/k/v projection's output: rows further apart than the heads
+    (no copy made), the same result as the dense query."""
+    q, k, v, tables, context = _paged(dtype, 4, 9, 3, 64, 16, [1, 20, 33, 7])
+    qkv = torch.randn(4, (9 + 2 * 3) * 64).to(dtype)
+    qkv[:, : 9 * 64] = q.reshape(4, -1)
+    strided = qkv[:, : 9 * 64].view(4, 9, 64)
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(
+        op(strided, k, v, tables, context, 0.125), op(q, k, v, tables, context, 0.125)
+    )
+
+
 def test_reads_only_the_context_each_sequence_owns(op):
     """Positions past a sequence's length, and blocks not in its table, never count."""
     q, k, v, tables, context = _paged(torch.float32, 2, 4, 2, 16, 8, [5, 12])

@@ -11,7 +11,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -20,6 +20,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -53,54 +57,108 @@ inline void axpy(float* __restrict a, float p, const T* __restrict b, int64_t n)
   for (int64_t i = 0; i < n; ++i) a[i] += p * load(b, i);
 }
 
-// exp(x) for a whole row, x <= 0 (scores minus their maximum): x = k ln2 + r with |r| <= ln2/2,
-// exp(r) by its Taylor series to r^7 (relative error below 2e-7), 2^k put into the exponent
-// bits. Plain arithmetic, so the compiler vectorises the loop.
-void exp_row(float* x, int64_t n) {
+// --- whole 16-float vectors (GCC/Clang vector extensions: AVX-512 registers here, two AVX2 or
+// four NEON registers elsewhere), for head sizes that are a multiple of 16 ----------------------
+
+constexpr int64_t kLanes = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf vload(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // one widening move (compilers tuned for 256-bit vectors split the generic form in four)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+#else
+  vh half;
+  std::memcpy(&half, p, sizeof(half));
+  vi bits = __builtin_convertvector(half, vi) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+
+// Ask for `bytes` of the cache ahead of their use. A work item reads one head's part of each
+// cached token's row, `row` elements apart: on its own, the hardware prefetcher keeps too few
+// of those in flight, and the sequence's other heads read the rest of the same rows next.
+template <int kLocality, typename T>
+inline void prefetch(const T* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + line, 0, kLocality);
+}
+
+constexpr int64_t kAhead = 16;  // keys are asked for this many tokens ahead
+
+// exp(x) for 16 lanes, x <= 0 (scores minus their maximum): x = k ln2 + r with |r| <= ln2/2,
+// exp(r) by its Taylor series to r^7 (relative error below 2e-7), 2^k put into the exponent bits.
+inline vf vexp(vf x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693145751953125f;
   constexpr float kLn2Lo = 1.42860682030941723212e-6f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    float v = std::max(x[i], -87.0f);  // below, exp underflows; 2^k stays a normal float
-    float t = v * kLog2e + kRound;
-    float k = t - kRound;
-    int32_t ki;
-    std::memcpy(&ki, &t, sizeof(ki));
-    ki -= 0x4B400000;  // the bits of kRound: leaves the integer k
-    float r = v - k * kLn2Hi - k * kLn2Lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t scale_bits = (ki + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &scale_bits, sizeof(scale));
-    x[i] = p * scale;
-  }
+  const vf floor = vf{} - 87.0f;   // below, exp underflows; 2^k stays a normal float
+  x = x < floor ? floor : x;
+  const vf t = x * kLog2e + kRound;
+  const vf k = t - kRound;
+  const vi ki = (vi)t - 0x4B400000;  // the bits of kRound: leaves the integer k
+  const vf r = x - k * kLn2Hi - k * kLn2Lo;
+  vf p = vf{} + 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * (vf)((ki + 127) << 23);
 }
 
-// s[t] = exp(s[t] - max(s)) over a row; returns 1 / sum(s), the softmax's normaliser
+// s[t] = exp(s[t] - max(s)) over a row, 16 lanes at a time; returns 1 / sum(s), the softmax's
+// normaliser. The tail past the last whole 16 is padded in a register, never read or written.
 float softmax_row(float* s, int64_t len) {
+  const int64_t whole = len - len % kLanes;
   float top = s[0];
-  for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
-#pragma omp simd
-  for (int64_t t = 0; t < len; ++t) s[t] -= top;
-  exp_row(s, len);
+  if (whole) {
+    vf m = vload(s);
+    for (int64_t t = kLanes; t < whole; t += kLanes) {
+      const vf x = vload(s + t);
+      m = x > m ? x : m;
+    }
+    for (int64_t l = 0; l < kLanes; ++l) top = std::max(top, m[l]);
+  }
+  for (int64_t t = whole; t < len; ++t) top = std::max(top, s[t]);
+  vf sum{};
+  for (int64_t t = 0; t < whole; t += kLanes) {
+    const vf e = vexp(vload(s + t) - top);
+    std::memcpy(s + t, &e, sizeof(e));
+    sum += e;
+  }
   float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < len; ++t) total += s[t];
+  for (int64_t l = 0; l < kLanes; ++l) total += sum[l];
+  if (whole < len) {
+    const int64_t rest = len - whole;
+    vf x = vf{} - 87.0f;  // exp of it is ~1e-38; not summed below
+    for (int64_t l = 0; l < rest; ++l) x[l] = s[whole + l] - top;
+    const vf e = vexp(x);
+    for (int64_t l = 0; l < rest; ++l) {
+      s[whole + l] = e[l];
+      total += e[l];
+    }
+  }
   return 1.0f / total;
 }
 
 // Any head size, in plain loops (head sizes with a vectorised path use decode_attention_vec).
 template <typename T>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* tables,
                       const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t table_width, int64_t max_len, float scale) {
@@ -118,7 +176,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
       const int64_t len = lens[b];
       const int64_t* table = tables + b * table_width;
       for (int64_t g = 0; g < group; ++g) {
-        const T* qg = q + (b * num_heads + h * group + g) * dim;
+        const T* qg = q + b * q_stride + (h * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = load(qg, d) * scale;
       }
       // scores[g, t] = q_g . k_t, block by block
@@ -151,29 +209,6 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   });
 }
 
-// --- whole 16-float vectors (GCC/Clang vector extensions: AVX-512 registers here, two AVX2 or
-// four NEON registers elsewhere), for head sizes that are a multiple of 16 ----------------------
-
-constexpr int64_t kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vf vload(const c10::BFloat16* p) {
-  vh half;
-  std::memcpy(&half, p, sizeof(half));
-  vi bits = __builtin_convertvector(half, vi) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
 // a[i] + a[i + k] folded pairwise from two vectors, by the lane masks lo and hi
 inline vf fold(vf a, vf b, vi lo, vi hi) {
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
@@ -196,18 +231,103 @@ inline vf sum16(const vf* v) {
   return fold(c[0], c[1], lo4, hi4);
 }
 
-// kVecs = head_dim / 16. Each key and value row is loaded (and widened from bfloat16) once for
-// the whole group of query heads; scores come 16 tokens at a time.
+// One key row of a query head's dot products, as 16 lanes of partial sums (sum16 finishes them).
+// The query is held widened to float32 and already scaled.
+template <int64_t kVecs>
+struct FloatQuery {
+  vf q[kVecs];
+  template <typename T>
+  void set(const T* row, float scale) {
+    for (int64_t j = 0; j < kVecs; ++j) q[j] = vload(row + j * kLanes) * scale;
+  }
+  template <typename T>
+  vf dot(const T* key) const {
+    vf sum = q[0] * vload(key);
+    for (int64_t j = 1; j < kVecs; ++j) sum += q[j] * vload(key + j * kLanes);
+    return sum;
+  }
+  static constexpr bool kScaledAfter = false;
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// bfloat16 query and keys on CPUs with AVX512-BF16: vdpbf16ps multiplies 32 pairs at once and
+// adds each two neighbouring products into a float32 lane (a product of two bfloat16 numbers is
+// exact in float32), so keys are used as stored, never widened. The scale is applied to the sums.
+template <int64_t kVecs>
+struct Bf16Query {
+  static constexpr int64_t kPairs = kVecs / 2;  // 32 bfloat16 per register
+  __m512bh q[kPairs];
+  void set(const c10::BFloat16* row, float) {
+    for (int64_t j = 0; j < kPairs; ++j) q[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
+  }
+  vf dot(const c10::BFloat16* key) const {
+    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
+    for (int64_t j = 1; j < kPairs; ++j)
+      sum = _mm512_dpbf16_ps(sum, q[j], (__m512bh)_mm512_loadu_si512(key + j * 32));
+    return (vf)sum;
+  }
+  static constexpr bool kScaledAfter = true;
+};
+
 template <typename T, int64_t kVecs>
-void decode_attention_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
-                          const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t block_size, int64_t table_width,
-                          int64_t max_len, float scale) {
+struct QueryFor {
+  using type = FloatQuery<kVecs>;
+};
+template <int64_t kVecs>
+struct QueryFor<c10::BFloat16, kVecs> {
+  using type = Bf16Query<kVecs>;
+};
+#else
+template <typename T, int64_t kVecs>
+struct QueryFor {
+  using type = FloatQuery<kVecs>;
+};
+#endif
+
+// acc[g] += p[g, t] * v_t over a context for kGroup query heads (kGroup <= 4) and one 64-wide
+// slice of the head (4 vectors), the accumulators in registers; out_g = acc[g] / sum.
+template <typename T, int64_t kGroup>
+void weighted_values(const T* v_cache, const int64_t* table, int64_t len, int64_t block_size,
+                     int64_t row, int64_t offset, const float* scores, int64_t stride,
+                     const float* inverse, T* out, int64_t out_stride) {
+  constexpr int64_t kSlice = 4;
+  vf acc[kGroup][kSlice] = {};
+  for (int64_t first = 0; first < len; first += block_size) {
+    const T* values = v_cache + table[first / block_size] * block_size * row + offset;
+    const int64_t count = std::min(block_size, len - first);
+    const float* p = scores + first;
+    for (int64_t i = 0; i < count; ++i) {
+      vf v[kSlice];
+      for (int64_t j = 0; j < kSlice; ++j) v[j] = vload(values + i * row + j * kLanes);
+      for (int64_t g = 0; g < kGroup; ++g) {
+        const float pg = p[g * stride + i];
+        for (int64_t j = 0; j < kSlice; ++j) acc[g][j] += pg * v[j];
+      }
+    }
+  }
+  for (int64_t g = 0; g < kGroup; ++g) {
+    for (int64_t j = 0; j < kSlice; ++j) {
+      const vf o = acc[g][j] * inverse[g];
+      for (int64_t l = 0; l < kLanes; ++l) store(out + g * out_stride, j * kLanes + l, o[l]);
+    }
+  }
+}
+
+// kVecs = head_dim / 16. Scores come 16 tokens at a time, each key row loaded once for the whole
+// group of query heads; the weighted sum of values keeps its accumulators in registers, up to
+// four query heads and 64 dimensions per pass over the values.
+template <typename T, int64_t kVecs>
+void decode_attention_vec(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                          const int64_t* tables, const int64_t* lens, T* out, int64_t num_seqs,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                          int64_t table_width, int64_t max_len, float scale) {
+  using Query = typename QueryFor<T, kVecs>::type;
   constexpr int64_t dim = kVecs * kLanes;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * dim;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vf> query(group * kVecs), acc(group * kVecs), partial(group * kLanes);
+    std::vector<Query> query(group);
+    std::vector<vf> partial(group * kLanes);
     std::vector<float> scores(group * (max_len + kLanes)), inverse(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads;
@@ -215,10 +335,14 @@ void decode_attention_vec(const T* q, const T* k_cache, const T* v_cache, const 
       const int64_t len = lens[b];
       const int64_t* table = tables + b * table_width;
       const int64_t stride = max_len + kLanes;  // room for a whole last chunk of 16
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qg = q + (b * num_heads + h * group + g) * dim;
-        for (int64_t j = 0; j < kVecs; ++j) query[g * kVecs + j] = vload(qg + j * kLanes) * scale;
-      }
+      // the first item of a sequence (in this thread) brings whole rows, all heads, into cache:
+      // its keys kAhead tokens ahead and its values for the second pass
+      const bool lead = h == 0 || item == begin;
+      auto whole_row = [&](const T* cache, int64_t t) {
+        return cache + (table[t / block_size] * block_size + t % block_size) * row;
+      };
+      for (int64_t g = 0; g < group; ++g)
+        query[g].set(q + b * q_stride + (h * group + g) * dim, scale);
       for (int64_t first = 0; first < len; first += block_size) {
         const T* keys = k_cache + table[first / block_size] * block_size * row + h * dim;
         const int64_t count = std::min(block_size, len - first);
@@ -229,40 +353,46 @@ void decode_attention_vec(const T* q, const T* k_cache, const T* v_cache, const 
               for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = vf{};
               continue;
             }
-            vf k[kVecs];
-            for (int64_t j = 0; j < kVecs; ++j) k[j] = vload(keys + (chunk + i) * row + j * kLanes);
-            for (int64_t g = 0; g < group; ++g) {
-              vf sum = query[g * kVecs] * k[0];
-              for (int64_t j = 1; j < kVecs; ++j) sum += query[g * kVecs + j] * k[j];
-              partial[g * kLanes + i] = sum;
+            const T* key = keys + (chunk + i) * row;
+            if (lead) {
+              const int64_t t = first + chunk + i;
+              if (t + kAhead < len) prefetch<3>(whole_row(k_cache, t + kAhead), row * sizeof(T));
+              prefetch<3>(whole_row(v_cache, t), row * sizeof(T));
             }
+            for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = query[g].dot(key);
           }
           for (int64_t g = 0; g < group; ++g) {
             vf sums = sum16(partial.data() + g * kLanes);
+            if constexpr (Query::kScaledAfter) sums *= scale;
             std::memcpy(scores.data() + g * stride + first + chunk, &sums, sizeof(sums));
           }
         }
       }
       for (int64_t g = 0; g < group; ++g)
         inverse[g] = softmax_row(scores.data() + g * stride, len);
-      std::fill(acc.begin(), acc.end(), vf{});
-      for (int64_t first = 0; first < len; first += block_size) {
-        const T* values = v_cache + table[first / block_size] * block_size * row + h * dim;
-        const int64_t count = std::min(block_size, len - first);
-        for (int64_t i = 0; i < count; ++i) {
-          vf v[kVecs];
-          for (int64_t j = 0; j < kVecs; ++j) v[j] = vload(values + i * row + j * kLanes);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * stride + first + i];
-            for (int64_t j = 0; j < kVecs; ++j) acc[g * kVecs + j] += p * v[j];
+      T* o = out + (b * num_heads + h * group) * dim;
+      for (int64_t g = 0; g < group; g += 4) {
+        const float* p = scores.data() + g * stride;
+        for (int64_t slice = 0; slice < dim; slice += 4 * kLanes) {
+          const int64_t offset = h * dim + slice;
+          T* og = o + g * dim + slice;
+          switch (std::min<int64_t>(4, group - g)) {
+            case 1:
+              weighted_values<T, 1>(v_cache, table, len, block_size, row, offset, p, stride,
+                                    inverse.data() + g, og, dim);
+              break;
+            case 2:
+              weighted_values<T, 2>(v_cache, table, len, block_size, row, offset, p, stride,
+                                    inverse.data() + g, og, dim);
+              break;
+            case 3:
+              weighted_values<T, 3>(v_cache, table, len, block_size, row, offset, p, stride,
+                                    inverse.data() + g, og, dim);
+              break;
+            default:
+              weighted_values<T, 4>(v_cache, table, len, block_size, row, offset, p, stride,
+                                    inverse.data() + g, og, dim);
           }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* og = out + (b * num_heads + h * group + g) * dim;
-        for (int64_t j = 0; j < kVecs; ++j) {
-          const vf o = acc[g * kVecs + j] * inverse[g];
-          for (int64_t l = 0; l < kLanes; ++l) store(og, j * kLanes + l, o[l]);
         }
       }
     }
@@ -270,17 +400,17 @@ void decode_attention_vec(const T* q, const T* k_cache, const T* v_cache, const 
 }
 
 template <typename T>
-void dispatch_head_dim(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
-                       const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                       int64_t table_width, int64_t max_len, float scale) {
+void dispatch_head_dim(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                       const int64_t* tables, const int64_t* lens, T* out, int64_t num_seqs,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t table_width, int64_t max_len, float scale) {
   auto run = [&](auto kernel) {
-    kernel(q, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
-           block_size, table_width, max_len, scale);
+    kernel(q, q_stride, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
+           head_dim, block_size, table_width, max_len, scale);
   };
   auto run_vec = [&](auto kernel) {
-    kernel(q, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads, block_size,
-           table_width, max_len, scale);
+    kernel(q, q_stride, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
+           block_size, table_width, max_len, scale);
   };
   switch (head_dim) {
     case 64: return run_vec(decode_attention_vec<T, 4>);
@@ -290,6 +420,8 @@ void dispatch_head_dim(const T* q, const T* k_cache, const T* v_cache, const int
   }
 }
 
+// query may be a view with rows apart (e.g. the query heads of a fused q/k/v projection's
+// output): heads and dimensions must be dense, sequences may be strided. The result is dense.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
@@ -309,7 +441,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
                   context_lens.numel() == num_seqs,
               "one block table row and one context length per sequence");
-  const auto q = query.contiguous();
+  const bool rows_dense = query.stride(2) == 1 && query.stride(1) == head_dim &&
+                          query.stride(0) >= num_heads * head_dim;
+  const auto q = rows_dense ? query : query.contiguous();
+  const int64_t q_stride = q.stride(0);
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
   const int64_t* len_data = lens.data_ptr<int64_t>();
@@ -319,17 +454,17 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                 "context length out of the block table's range");
     max_len = std::max(max_len, len_data[b]);
   }
-  auto out = at::empty_like(q);
+  auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                            v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), len_data,
-                            out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, head_dim,
-                            block_size, tables.size(1), max_len, s);
+    dispatch_head_dim<float>(q.data_ptr<float>(), q_stride, k_cache.data_ptr<float>(),
+                             v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), len_data,
+                             out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, head_dim,
+                             block_size, tables.size(1), max_len, s);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
     dispatch_head_dim<c10::BFloat16>(
-        q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
+        q.data_ptr<c10::BFloat16>(), q_stride, k_cache.data_ptr<c10::BFloat16>(),
         v_cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(), len_data,
         out.data_ptr<c10::BFloat16>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
         tables.size(1), max_len, s);
