@@ -30,10 +30,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name("csrc") / name
-    for name in ("paged_decode_attention.cpp", "layer_ops.cpp")
-]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
+HEADERS = [CSRC / "scalar.h"]  # included by the sources: part of the fingerprint
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -52,7 +51,7 @@ def _fingerprint() -> str:
     except OSError:
         flags = ""
     digest.update(f"{platform.machine()}|{flags}|{torch.__version__}".encode())
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -205,3 +205,22 @@ def test_rotary_in_place_is_transformers_rotary(dtype):
     else:
         torch.testing.assert_close(x, want.transpose(0, 1), rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, heads * dim :], untouched)  # only the heads it was given
+
+
+def test_every_kernel_file_ships_and_counts_in_the_fingerprint():
+    """A user's install compiles csrc/ itself: each file there must be package data, and each
+    local header a source includes must be hashed, or an edit would reuse a stale build."""
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(cpu_kernels.__file__).parents[2] / "pyproject.toml").read_text()
+    line = re.search(r'^"serve_app.engine" = \[(.*)\]', pyproject, re.M)
+    globs = re.findall(r'"([^"]+)"', line.group(1))
+    for path in cpu_kernels.CSRC.iterdir():
+        assert any(path.match(g) for g in globs), f"{path.name} is not package data"
+    included = {
+        cpu_kernels.CSRC / name
+        for source in cpu_kernels.SOURCES
+        for name in re.findall(r'#include "([^"]+)"', source.read_text())
+    }
+    assert included and included <= set(cpu_kernels.HEADERS)

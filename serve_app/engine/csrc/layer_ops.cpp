@@ -16,15 +16,15 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "scalar.h"
+
 #include <cmath>
 #include <cstdint>
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-inline void narrow(float* p, float x) { *p = x; }
-inline void narrow(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
+using serve_app_cpu::narrow;
+using serve_app_cpu::widen;
 
 // x rounded to T's precision, as a float
 template <typename T>

@@ -15,6 +15,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "scalar.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,34 +29,21 @@
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-inline float load(const c10::BFloat16* p, int64_t i) {
-  // bfloat16 is the high half of a float32
-  uint16_t raw;
-  std::memcpy(&raw, p + i, sizeof(raw));
-  uint32_t bits = static_cast<uint32_t>(raw) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-inline void store(float* p, int64_t i, float x) { p[i] = x; }
-
-inline void store(c10::BFloat16* p, int64_t i, float x) { p[i] = c10::BFloat16(x); }
+using serve_app_cpu::narrow;
+using serve_app_cpu::widen;
 
 template <typename T>
 inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * load(b, i);
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * widen(b[i]);
   return sum;
 }
 
 // a += p * b
 template <typename T>
 inline void axpy(float* __restrict a, float p, const T* __restrict b, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) a[i] += p * load(b, i);
+  for (int64_t i = 0; i < n; ++i) a[i] += p * widen(b[i]);
 }
 
 // --- whole 16-float vectors (GCC/Clang vector extensions: AVX-512 registers here, two AVX2 or
@@ -177,7 +166,7 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v
       const int64_t* table = tables + b * table_width;
       for (int64_t g = 0; g < group; ++g) {
         const T* qg = q + b * q_stride + (h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = load(qg, d) * scale;
+        for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = widen(qg[d]) * scale;
       }
       // scores[g, t] = q_g . k_t, block by block
       for (int64_t first = 0; first < len; first += block_size) {
@@ -203,7 +192,7 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v
       }
       for (int64_t g = 0; g < group; ++g) {
         T* og = out + (b * num_heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) store(og, d, acc[g * dim + d] * inverse[g]);
+        for (int64_t d = 0; d < dim; ++d) narrow(og + d, acc[g * dim + d] * inverse[g]);
       }
     }
   });
@@ -308,7 +297,7 @@ void weighted_values(const T* v_cache, const int64_t* table, int64_t len, int64_
   for (int64_t g = 0; g < kGroup; ++g) {
     for (int64_t j = 0; j < kSlice; ++j) {
       const vf o = acc[g][j] * inverse[g];
-      for (int64_t l = 0; l < kLanes; ++l) store(out + g * out_stride, j * kLanes + l, o[l]);
+      for (int64_t l = 0; l < kLanes; ++l) narrow(out + g * out_stride + j * kLanes + l, o[l]);
     }
   }
 }
