@@ -21,7 +21,7 @@ CONFIG = {
             ],
         },
         "ScheduleConfig": {
-            "maxIterTimes": 64,
+            "maxIterTimes": 480,
             "maxPrefillTokens": 256,
             "cacheBlockSize": 16,
             "kvCacheBlocks": 128,
@@ -29,6 +29,8 @@ CONFIG = {
     }
 }
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. 你好，世界"
+# More tokens than any machine generates before a 0.05 s timeout or an abort lands
+LONG = 480
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +236,8 @@ def test_timeout_before_first_token(replica, prompt):
 
 
 def test_timeout_mid_stream(replica, prompt):
-    chunks = collect(replica, request(prompt, greedy(64), timeout_s=0.05, token_texts=True))
-    assert chunks[-1].error_kind == "timeout" and len(joined(chunks, attr="token_ids")) < 64
+    chunks = collect(replica, request(prompt, greedy(LONG), timeout_s=0.05, token_texts=True))
+    assert chunks[-1].error_kind == "timeout" and len(joined(chunks, attr="token_ids")) < LONG
     ids = joined(chunks, attr="token_ids")
     assert joined(chunks) == replica.tokenizer.decode(ids)
     assert len(joined(chunks, attr="token_texts")) == len(ids)
@@ -269,7 +271,7 @@ def test_closing_the_stream_aborts(replica, prompt):
 
 
 def test_abort_method_ends_with_aborted(replica, prompt):
-    req = request(prompt, greedy(64))
+    req = request(prompt, greedy(LONG))
 
     async def run():
         chunks = []
@@ -281,7 +283,7 @@ def test_abort_method_ends_with_aborted(replica, prompt):
 
     chunks = asyncio.run(run())
     assert chunks[-1].finished and last_delta(chunks).finish_reason == "aborted"
-    assert len(joined(chunks, attr="token_ids")) < 64
+    assert len(joined(chunks, attr="token_ids")) < LONG
     wait_idle(replica)
 
 
