@@ -31,8 +31,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
-HEADERS = [CSRC / "scalar.h"]  # included by the sources: part of the fingerprint
+SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
+HEADERS = [CSRC / "elements.h"]  # included by the sources: part of the fingerprint
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -124,7 +124,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new: list[int], sample: list[int]) -> torch.Tensor:
-        """Run one step; return float32 logits [len(sample), vocab] for seqs[i] in sample."""
+        """Run one step; return logits [len(sample), vocab] for seqs[i] in sample, in the
+        model's dtype (the sampler widens them to float32 where it needs more than an argmax)."""
         order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
         seqs = [seqs[i] for i in order]
         num_new = [num_new[i] for i in order]
@@ -147,6 +148,6 @@ class ModelRunner:
             use_cache=False,
         )
         if self.lm_head is None:  # a head with extras (scaling, capping): the model's own
-            return self.model(**inputs, logits_to_keep=keep).logits[0].float()
+            return self.model(**inputs, logits_to_keep=keep).logits[0]
         hidden = self.model.get_decoder()(**inputs).last_hidden_state[0, keep]
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)

@@ -183,9 +183,16 @@ def test_a_constraint_cannot_run_with_beam_search():
         SamplingParams(use_beam_search=True, best_of=2, constraint=object())
 
 
-@pytest.mark.parametrize("width", [151936, 49152, 1500, 1025, 1024, 100])
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "torch"])
+@pytest.mark.parametrize("width", [151936, 49152, 1500, 1031, 1025, 1024, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_argmax_is_torch_argmax(width, dtype):
+def test_row_argmax_is_torch_argmax(width, dtype, kernel, monkeypatch):
+    from serve_app.engine import cpu_kernels
+
+    if kernel:
+        assert cpu_kernels.op("argmax_rows") is not None, "the CPU kernels did not build"
+    else:
+        monkeypatch.setattr(cpu_kernels, "op", lambda name: None)
     g = torch.Generator().manual_seed(width)
     x = torch.randn(16, width, generator=g).to(dtype)
     x[1] = 0.0  # all equal: the first index
@@ -195,4 +202,22 @@ def test_row_argmax_is_torch_argmax(width, dtype):
     x[5, width // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
     x[6, [3, width - 2]] = float("nan")
     x[7, width - 3 :] = 50.0  # a tie at the end of the row
+    x[8, [5, 9]] = torch.tensor([-0.0, 0.0]).to(dtype)  # -0 and +0 tie below everything else
+    x[8, x[8] > 0] = -1.0
+    x[9] = float("-inf")
+    x[9, width - 1] = float("nan")  # NaN after -inf only
+    x[10, :] = float("inf")  # all +inf: the first
     assert torch.equal(row_argmax(x), x.argmax(dim=1))
+    strided = x[:, ::2]  # rows not contiguous: torch's path
+    assert torch.equal(row_argmax(strided), strided.argmax(dim=1))
+
+
+def test_greedy_rows_take_the_argmax_of_bf16_logits_without_a_float32_copy():
+    logits = _logits(8, seed=3).bfloat16()
+    greedy = Sampler()(logits, _rows(SamplingParams(temperature=0), n=8))
+    assert greedy.token_ids == logits.float().argmax(dim=1).tolist()
+    assert greedy.logprobs is None and greedy.chosen_logprobs is None
+    # rows asking for more than the argmax widen the logits first, whatever their dtype
+    with_logprobs = Sampler()(logits, _rows(SamplingParams(temperature=0, logprobs=2), n=8), 2)
+    assert with_logprobs.token_ids == greedy.token_ids
+    assert with_logprobs.logprobs.dtype == torch.float32 and len(with_logprobs.top[0]) == 2

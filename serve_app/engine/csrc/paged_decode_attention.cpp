@@ -15,7 +15,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "scalar.h"
+#include "elements.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,13 +23,17 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
+using serve_app_cpu::kLanes;
 using serve_app_cpu::narrow;
+using serve_app_cpu::vf;
+using serve_app_cpu::vi;
+using serve_app_cpu::vload;
 using serve_app_cpu::widen;
 
 template <typename T>
@@ -44,35 +48,6 @@ inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
 template <typename T>
 inline void axpy(float* __restrict a, float p, const T* __restrict b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) a[i] += p * widen(b[i]);
-}
-
-// --- whole 16-float vectors (GCC/Clang vector extensions: AVX-512 registers here, two AVX2 or
-// four NEON registers elsewhere), for head sizes that are a multiple of 16 ----------------------
-
-constexpr int64_t kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vf vload(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  // one widening move (compilers tuned for 256-bit vectors split the generic form in four)
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
-#else
-  vh half;
-  std::memcpy(&half, p, sizeof(half));
-  vi bits = __builtin_convertvector(half, vi) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-#endif
 }
 
 // Ask for `bytes` of the cache ahead of their use. A work item reads one head's part of each

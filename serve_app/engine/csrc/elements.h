@@ -1,0 +1,49 @@
+// float32 and bfloat16 elements as float32 values, shared by the engine's CPU kernels: one at a
+// time (widen reads an element as a float, exactly: bfloat16 is the high half of a float32;
+// narrow stores a float, rounded to nearest-even for bfloat16) or 16 at a time (vf: GCC/Clang
+// vector extensions, one AVX-512 register here, two AVX2 or four NEON registers elsewhere).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace serve_app_cpu {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void narrow(float* p, float x) { *p = x; }
+inline void narrow(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
+
+constexpr int64_t kLanes = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf vload(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // one widening move (compilers tuned for 256-bit vectors split the generic form in four)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+#else
+  vh half;
+  std::memcpy(&half, p, sizeof(half));
+  vi bits = __builtin_convertvector(half, vi) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+
+}  // namespace serve_app_cpu
