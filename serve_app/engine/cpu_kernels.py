@@ -8,6 +8,8 @@ engine keeps its portable torch path and logs why once. The ops:
   values in place in the paged cache (else: gather them, then torch's sdpa);
 - `rms_norm`, `rotary_`: a fused layer's RMSNorm and rotary embedding in one pass each (else:
   torch's rms_norm and the eager rotary ops; cpu_layers.py).
+- `argmax_rows`: greedy sampling's argmax over a step's float32 or bfloat16 logits, exactly
+  torch.argmax (else: a chunked torch argmax over float32 logits; sampler.row_argmax).
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
