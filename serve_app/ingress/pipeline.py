@@ -173,7 +173,7 @@ class Pipeline:
                 num_chunks += 1
                 new = sum(len(c.token_ids) for c in chunk.choices)
                 if new and first_token_at is None:
-                    first_token_at = loop.time()
+                    first_token_at = loop.time() - _since_first_token(chunk)
                 num_tokens += new
                 num_prompt = chunk.num_prompt_tokens or num_prompt
                 if chunk.finished:
@@ -261,6 +261,13 @@ class Pipeline:
             m.ttft.labels(model).observe(first_token_at - start)
             if num_tokens > 1:
                 m.tpot.labels(model).observe((end - first_token_at) / (num_tokens - 1))
+
+
+def _since_first_token(chunk: ReplicaChunk) -> float:
+    """Seconds from the first token in `chunk` to its last: the engine steps folded into it after
+    its first (a non-stream response carries all of them; a stream, the tokens that came while
+    its consumer was behind). The time to first token is the chunk's arrival less this."""
+    return sum(step.decode_time_ms or 0.0 for step in chunk.steps[1:]) / 1e3
 
 
 def _stopped_chunk(req: ReplicaRequest) -> ReplicaChunk:

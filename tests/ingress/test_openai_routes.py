@@ -611,3 +611,35 @@ def test_errors_before_and_after_the_stream_starts(route_app, path, base):
             }
         }
         assert len(events) == 2
+
+
+def _histogram_sums(client, model: str = "demo") -> dict[str, float]:
+    """/metrics' `<histogram>_sum` samples for the model, by histogram name."""
+    sums = {}
+    for line in client.get("/metrics").text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.endswith(f'_sum{{model_name="{model}"}}'):
+            sums[key.split("_sum{")[0]] = float(value)
+    return sums
+
+
+def test_a_non_stream_request_reports_its_real_time_to_first_token(client, kv_idle):
+    """The whole answer arrives in one chunk; the time to first token is still when the first
+    token came out of the engine (not when the answer came), and the time per output token the
+    gaps after it."""
+    before = _histogram_sums(client)
+    body = {"model": "demo", "prompt": "count", "max_tokens": 64, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64
+    after = _histogram_sums(client)
+    rose = {name: after[name] - before.get(name, 0.0) for name in after}
+    ttft, tpot, e2e = (
+        rose["time_to_first_token_seconds"],
+        rose["time_per_output_token_seconds"],
+        rose["e2e_request_latency_seconds"],
+    )
+    # 63 decode steps come after the first token: most of the request's time (before, the
+    # first token counted as arriving with the last, so ttft was e2e and tpot ~0)
+    assert 0 < ttft < 0.5 * e2e and tpot > 0
+    assert kv_idle()
