@@ -3,8 +3,11 @@
 // One query token per sequence attends over that sequence's first context_lens[b] cached
 // positions, found through its block table. Work items are (sequence, KV head) pairs, run in
 // parallel on torch's intra-op thread pool; each item computes the scores of its group of query
-// heads against every key (each key row read once for the whole group), a softmax in float32,
-// then the weighted sum of the value rows. No key or value is copied out of the cache.
+// heads against every key (each key row read once for the whole group; bfloat16 keys through
+// AVX512-BF16 dot products where the CPU has them), a softmax in float32 16 lanes at a time,
+// then the weighted sum of the value rows with its accumulators in registers. A sequence's
+// first item asks for whole cache rows ahead of their use, so its other heads find them in
+// cache. No key or value is copied out of the cache; the query may be a view with strided rows.
 //
 // Built on first use by serve_app/engine/cpu_kernels.py (torch.utils.cpp_extension) and
 // registered as torch.ops.serve_app_cpu.paged_decode_attention.
