@@ -52,31 +52,28 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
     nd = md.num_decodes
     if nd and md.decode_kernel is not None:
         scale = scaling if scaling is not None else head_dim**-0.5
-        # q as the projection left it (the kernel reads strided rows); in a step of decodes
-        # only, the kernel's output is the whole result
+        # q as the projection left it: the kernel reads strided rows
         decoded = md.decode_kernel(
             q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale
         )
-        if md.prefill_index is None:
-            return decoded.unsqueeze(0), None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if nd and md.decode_kernel is not None:
-        out[:nd] = decoded
     elif nd:
         keys = _gather(k_cache, md.decode_slots)
         values = _gather(v_cache, md.decode_slots)
-        o = _attend(q[:nd].unsqueeze(2), keys, values, md.decode_mask, scaling)
-        out[:nd] = o.squeeze(2)
-    if md.prefill_index is not None:
-        qp = q[nd:][md.prefill_index].transpose(1, 2)  # [Bp, H, Qmax, D]
-        if md.prefill_slots is None:  # fresh prompts: their own K/V is all there is
-            keys = k[nd:][md.prefill_index].transpose(1, 2)
-            values = v[nd:][md.prefill_index].transpose(1, 2)
-        else:
-            keys = _gather(k_cache, md.prefill_slots)
-            values = _gather(v_cache, md.prefill_slots)
-        o = _attend(qp, keys, values, md.prefill_mask, scaling)
-        out[nd:] = o.transpose(1, 2)[md.prefill_valid]
+        decoded = _attend(q[:nd].unsqueeze(2), keys, values, md.decode_mask, scaling).squeeze(2)
+    if md.prefill_index is None:  # decodes only: their output is the whole result
+        return decoded.unsqueeze(0), None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if nd:
+        out[:nd] = decoded
+    qp = q[nd:][md.prefill_index].transpose(1, 2)  # [Bp, H, Qmax, D]
+    if md.prefill_slots is None:  # fresh prompts: their own K/V is all there is
+        keys = k[nd:][md.prefill_index].transpose(1, 2)
+        values = v[nd:][md.prefill_index].transpose(1, 2)
+    else:
+        keys = _gather(k_cache, md.prefill_slots)
+        values = _gather(v_cache, md.prefill_slots)
+    o = _attend(qp, keys, values, md.prefill_mask, scaling)
+    out[nd:] = o.transpose(1, 2)[md.prefill_valid]
     return out.unsqueeze(0), None
 
 

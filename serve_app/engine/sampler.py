@@ -134,12 +134,13 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not (need_logprobs or num_top or penalized or masked or sampled):
             return SampleResult(row_argmax(logits).tolist(), None, None, None)
+        copied = logits.dtype != torch.float32  # widening makes a tensor of our own
         logits = logits.float()
         device = logits.device
         logprobs = None
         if need_logprobs or num_top:
             logprobs = torch.log_softmax(logits, dim=-1)
-        if penalized or masked:
+        if (penalized or masked) and not copied:
             logits = logits.clone()  # edited in place below; the caller's tensor stays intact
         if penalized:
             _apply_penalties(logits, rows, penalized)
