@@ -27,17 +27,26 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q, k, v, mask, scale):
-    """q [B, H, Q, D] over k/v [B, Hkv, L, D] with mask [B, 1, Q, L] -> [B, H, Q, D].
+    """q [B, H, Q, D] over k/v [B, Hkv, L, D] -> [B, H, Q, D]; mask [B, 1, G * Q, L] (rows
+    folded as the queries are, see below) or one that broadcasts to it.
 
-    Grouped-query attention by folding each KV head's query heads into the query axis: sdpa's
-    own enable_gqa path is several times slower on CPU (ten times in bf16)."""
+    Grouped-query attention by folding each KV head's G query heads into the query axis (row
+    g * Q + i is query i of head g): sdpa's own enable_gqa path is several times slower on CPU
+    (ten times in bf16)."""
     batch, heads, num_q, dim = q.shape
-    group = heads // k.shape[1]
-    q = q.reshape(batch, k.shape[1], group * num_q, dim)
-    if group > 1 and num_q > 1:
-        mask = mask.repeat(1, 1, group, 1)  # row g * Q + i is query i of head g
+    q = q.reshape(batch, k.shape[1], heads // k.shape[1] * num_q, dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.view(batch, heads, num_q, dim)
+
+
+def _prefill_bias(md: AttentionMetadata, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The step's prefill mask folded for `group` query heads per KV head and made additive
+    (sdpa turns a boolean mask into this on every call): once per step, not once per layer."""
+    if md.prefill_bias is None:
+        mask = md.prefill_mask.repeat(1, 1, group, 1) if group > 1 else md.prefill_mask
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        md.prefill_bias = bias.masked_fill_(~mask, float("-inf"))
+    return md.prefill_bias
 
 
 def torch_paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -60,11 +69,17 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
         keys = _gather(k_cache, md.decode_slots)
         values = _gather(v_cache, md.decode_slots)
         decoded = _attend(q[:nd].unsqueeze(2), keys, values, md.decode_mask, scaling).squeeze(2)
-    if md.prefill_index is None:  # decodes only: their output is the whole result
+    if nd == q.shape[0]:  # decodes only: their output is the whole result
         return decoded.unsqueeze(0), None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decoded
+    bias = _prefill_bias(md, q.shape[1] // num_kv_heads, q.dtype)
+    if md.prefill_dense:  # [Bp * Q, H, D] is [Bp, Q, H, D] as it stands
+        num_q = md.prefill_mask.shape[2]
+        qp, keys, values = (t[nd:].unflatten(0, (-1, num_q)).transpose(1, 2) for t in (q, k, v))
+        out[nd:] = _attend(qp, keys, values, bias, scaling).transpose(1, 2).flatten(0, 1)
+        return out.unsqueeze(0), None
     qp = q[nd:][md.prefill_index].transpose(1, 2)  # [Bp, H, Qmax, D]
     if md.prefill_slots is None:  # fresh prompts: their own K/V is all there is
         keys = k[nd:][md.prefill_index].transpose(1, 2)
@@ -72,7 +87,7 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
     else:
         keys = _gather(k_cache, md.prefill_slots)
         values = _gather(v_cache, md.prefill_slots)
-    o = _attend(qp, keys, values, md.prefill_mask, scaling)
+    o = _attend(qp, keys, values, bias, scaling)
     out[nd:] = o.transpose(1, 2)[md.prefill_valid]
     return out.unsqueeze(0), None
 

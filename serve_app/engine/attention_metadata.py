@@ -33,6 +33,12 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None
     # a kernel reading decode keys/values in place (cpu_kernels): then no decode_slots/mask
     decode_kernel: Callable | None = None
+    # prompt chunks all of one length, none with cached context: the packed tokens are the
+    # batch as it is (no gather, no padding)
+    prefill_dense: bool = False
+    # prefill_mask as sdpa takes it: rows folded for grouped queries, additive, in the
+    # queries' dtype; made by the first layer that needs it, reused by the others
+    prefill_bias: torch.Tensor | None = None
 
 
 def _block_tables(seqs, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -104,6 +110,7 @@ def build_metadata(
         context = first + tensor(lens)
         md.prefill_query_lens = tensor(lens)
         md.prefill_context_lens = context
+        md.prefill_dense = len(set(lens)) == 1 and not any(s.num_computed_tokens for s in prompts)
         if any(s.num_computed_tokens for s in prompts):
             longest = max(s.num_computed_tokens + n for s, n in zip(prompts, lens, strict=True))
             md.prefill_block_tables = _block_tables(prompts, -(-longest // size), device)

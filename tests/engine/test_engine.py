@@ -54,6 +54,15 @@ def test_greedy_matches_transformers_in_one_batch(llm, prompts, hf_greedy):
     assert_idle(llm)
 
 
+def test_prompts_of_one_length_prefill_unpadded_and_match_transformers(llm, hf_demo, hf_greedy_of):
+    # fresh prompts of one length are attended as they are packed (no padding, no gather)
+    generator = torch.Generator().manual_seed(7)
+    same = [torch.randint(0, 151643, (40,), generator=generator).tolist() for _ in range(4)]
+    outputs = llm.generate(same, GREEDY16_LOGPROBS)
+    assert_matches_transformers(outputs, hf_greedy_of(hf_demo, same))
+    assert_idle(llm)
+
+
 def test_bfloat16_gives_the_same_greedy_tokens(prompts, greedy_reference):
     llm = make_llm(dtype="bfloat16")  # the demo model's greedy margins survive bf16 rounding
     assert tokens(llm.generate(prompts, GREEDY16)) == greedy_reference

@@ -181,6 +181,9 @@ CASES = {
     # name: (context lengths of decodes, (computed, new) of prompt chunks)
     "decodes": ([1, 5, 128, 129, 300], []),
     "fresh_prompts": ([], [(0, 2), (0, 130), (0, 17)]),
+    # one length and no cached context: the torch backend's unpadded (dense) prefill path
+    "fresh_prompts_of_one_length": ([], [(0, 19), (0, 19), (0, 19)]),
+    "decodes_and_fresh_prompts_of_one_length": ([7, 130], [(0, 33), (0, 33)]),
     "decodes_and_fresh_prompts": ([7, 256, 2], [(0, 40), (0, 3)]),
     "chunked_prefill": ([33, 200], [(128, 20), (5, 140), (0, 9), (250, 2)]),
     "chunked_prefill_only": ([], [(1, 2), (127, 130)]),
@@ -255,6 +258,18 @@ def test_matches_torch_backend(fake_npu, case, heads, kv_heads, scaling):
     fia = [info for name, info in fake_npu.calls if name == "fused_infer_attention_score"]
     paged = any(computed for computed, _ in prompts)
     assert fia == ([{"paged": paged}] * layers if prompts else [])
+
+
+def test_only_fresh_prompts_of_one_length_skip_the_padding():
+    caches = [
+        (torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 1, 16), torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 1, 16))
+    ]
+    dense = set()
+    for case in CASES:
+        md = _metadata(*_batch(torch.Generator().manual_seed(0), *CASES[case]), caches)
+        if md.prefill_dense:
+            dense.add(case)
+    assert dense == {"fresh_prompts_of_one_length", "decodes_and_fresh_prompts_of_one_length"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
