@@ -111,8 +111,8 @@ def replica_rss_mb() -> dict[str, float]:
     roles: dict[str, float] = {}
     for proc in psutil.process_iter(["cmdline", "memory_info"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if "ServeReplica:" in cmd:
-            role = cmd.split("ServeReplica:", 1)[1].split()[0].rsplit(":", 1)[-1]
+        if "ServeReplica:" in cmd:  # Ray's title: ...:<deployment>[.<method it runs now>]
+            role = cmd.split("ServeReplica:", 1)[1].split()[0].rsplit(":", 1)[-1].split(".")[0]
         elif "engine_process import _child_main" in cmd:
             role = "engine process"
         else:

@@ -1,5 +1,5 @@
-"""The README's Ray CLI commands, run as a user runs them: `serve run deployments.yaml` (and the
-PD file), and on a started cluster `ray start --head`, `serve deploy`, `serve status`, `serve
+"""The README's Ray CLI commands, run as a user runs them: `serve run deployments.yaml`, and on a
+started cluster `ray start --head`, `serve deploy deployments-pd.yaml`, `serve status`, `serve
 shutdown`. Each starts Ray of its own in a subprocess (its own process group, stopped by id at
 the end), on a copy of the YAML that differs only in a free HTTP port. Slow: a few minutes in all.
 """
@@ -125,9 +125,8 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:] if log.exists() else ""
 
 
-@pytest.mark.parametrize("name", ["deployments.yaml", "deployments-pd.yaml"])
-def test_serve_run_starts_the_yaml_and_answers(name, tmp_path):
-    config, base = _config_copy(name, tmp_path)
+def test_serve_run_starts_the_yaml_and_answers(tmp_path):
+    config, base = _config_copy("deployments.yaml", tmp_path)
     log = tmp_path / "serve-run.log"
     # RAY_ADDRESS=local: a Ray of its own even when another cluster runs on this machine (by
     # default `serve run` joins the latest one started here)
@@ -143,8 +142,9 @@ def test_serve_run_starts_the_yaml_and_answers(name, tmp_path):
 
 def test_ray_start_then_serve_deploy_status_shutdown(tmp_path):
     """The README's cluster path: with RAY_AUTH_MODE=token exported (Ray 2.60's `ray start`
-    turns token auth on; its CLI sends the token only in that mode)."""
-    config, base = _config_copy("deployments.yaml", tmp_path)
+    turns token auth on; its CLI sends the token only in that mode). It deploys the PD file:
+    each shipped YAML is started by one of the two commands (either takes either)."""
+    config, base = _config_copy("deployments-pd.yaml", tmp_path)
     dashboard = f"http://127.0.0.1:{_free_port()}"
     env = _env(RAY_AUTH_MODE="token")
     log = tmp_path / "ray-start.log"

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import SERVE_TEST_ARGS, deploy
 
 
 def _free_port() -> int:
@@ -47,16 +46,7 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def server(cluster):
-    """The colocated app (inferMode standard), for this module."""
-    from ray import serve
-
-    yield deploy(cluster, SERVE_TEST_ARGS)
-    serve.delete("serve_app")
-
-
-@pytest.fixture(scope="module")
-def http(server):
+def http(server):  # each module's `server` fixture: the base URL of the app it deployed
     with httpx.Client(base_url=server, timeout=60) as client:
         yield client
 

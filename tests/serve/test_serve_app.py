@@ -1,5 +1,6 @@
 """The app under Ray Serve, over real HTTP: placement, every family's documented example, the
-openai client, disconnects, stopInfer, readiness, metrics and the OpenAPI docs.
+openai client, disconnects, stopInfer, readiness, metrics and the OpenAPI docs; last, a minute
+of mixed traffic on the same app (bench/soak.py's soak).
 
 The app here has maxIterTimes LONG_MAX_TOKENS (serve_helpers.SERVE_LONG_ARGS), so that what
 ends a request early (client gone, stopInfer) is shown to free its KV blocks long before the
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -377,3 +380,39 @@ def test_batch_completion_stream_disconnect_frees_every_prompt(server, kv_idle_h
                     assert "error" not in json.loads(line[len("data: ") :]), line
                     break  # the first choice's first text arrived: hang up
     assert_freed_early(kv_idle_http, time.monotonic(), LONG_MAX_TOKENS - 1, s_per_token)
+
+
+# -- last: a minute of mixed traffic on the same app ---------------------------------------------
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from soak import IDLE_KEYS, replica_rss_mb, rss_growth, settle, soak  # noqa: E402
+
+RSS_SLACK_MB = 256  # an allocator's high-water mark moves; a leak over a minute goes past it
+
+
+def _stats_or_why() -> dict | str:
+    try:
+        return _replica_stats()
+    except Exception as exc:  # a failure message's diagnostic only
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_minute_of_mixed_traffic_leaves_the_server_idle(server):
+    """A 60-second soak (bench/soak.py's traffic): every family, streams and not, with client
+    disconnects, server and client timeouts and stopInfer calls; afterwards nothing runs or
+    waits, the KV cache is empty and the replicas' resident memory has not grown."""
+    asyncio.run(soak(server, duration_s=10, clients=8, seed=1))  # warm-up
+    settle(server)
+    before = replica_rss_mb()
+    result = asyncio.run(soak(server, duration_s=60, clients=8, seed=0))
+    assert result["num_errors"] == 0, result["errors"]
+    assert set(result["by_fate"]) == {"complete", "disconnect", "server_timeout",
+                                      "client_timeout", "stop"}  # fmt: skip
+    assert "embeddings" in result["by_family"] and result["requests"] > 100
+    idle = settle(server)
+    # the replica's own counters next to the ingress's gauges: a request the engine still
+    # holds, or a stale gauge
+    assert idle == dict.fromkeys(IDLE_KEYS, 0.0), (idle, _stats_or_why())
+    growth = rss_growth(before, replica_rss_mb())
+    assert {"ModelReplica", "Ingress", "engine process"} <= set(growth), growth
+    assert all(mb <= RSS_SLACK_MB for mb in growth.values()), growth
