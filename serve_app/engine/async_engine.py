@@ -25,7 +25,7 @@ import torch
 
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.engine_process import EngineInfo, EngineProcess
-from serve_app.engine.errors import EngineError
+from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
@@ -75,6 +75,9 @@ class AsyncEngine:
     async def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         """Like `generate`, but each item is every output queued for the request when the
         consumer asks (at least one, in step order): never waits for more to arrive."""
+        if request.request_id in self._streams:  # refused here: the engine's refusal would
+            # go to the stream registered under that id, the other request's
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         if request.arrival_time is None:
             request.arrival_time = time.monotonic()

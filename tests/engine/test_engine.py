@@ -13,6 +13,7 @@ from serve_app.engine import (
     EngineError,
     EngineRequest,
     FinishReason,
+    RequestRejected,
     SamplingParams,
 )
 from serve_app.engine.kv_transfer import ImportedPrefill
@@ -276,6 +277,31 @@ def test_async_engine_streams_and_aborts_on_early_exit(llm, prompts, greedy_refe
         with pytest.raises(EngineError, match="vocabulary"):
             async for _ in engine.generate(EngineRequest("s3", [10**9], GREEDY16)):
                 pass
+
+    try:
+        asyncio.run(main())
+        assert_idle(llm)
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_stream_goes_on(llm, prompts):
+    engine = AsyncEngine(engine=llm.engine)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def main():
+        first = engine.generate(EngineRequest("dup", prompts[2], params))
+        tokens = (await anext(first)).outputs[0].new_token_ids
+        with pytest.raises(RequestRejected, match="'dup' is already in use"):
+            async for _ in engine.generate(EngineRequest("dup", prompts[3], params)):
+                pass
+
+        async def rest():
+            async for output in first:
+                tokens.extend(output.outputs[0].new_token_ids)
+
+        await asyncio.wait_for(rest(), 30)  # before the fix it waited forever
+        assert len(tokens) == 24
 
     try:
         asyncio.run(main())
