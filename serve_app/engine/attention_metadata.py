@@ -110,8 +110,9 @@ def build_metadata(
         context = first + tensor(lens)
         md.prefill_query_lens = tensor(lens)
         md.prefill_context_lens = context
-        md.prefill_dense = len(set(lens)) == 1 and not any(s.num_computed_tokens for s in prompts)
-        if any(s.num_computed_tokens for s in prompts):
+        cached = any(s.num_computed_tokens for s in prompts)
+        md.prefill_dense = len(set(lens)) == 1 and not cached
+        if cached:
             longest = max(s.num_computed_tokens + n for s, n in zip(prompts, lens, strict=True))
             md.prefill_block_tables = _block_tables(prompts, -(-longest // size), device)
             md.prefill_slots = _key_slots(md.prefill_block_tables, longest, size)
