@@ -13,8 +13,8 @@ engine keeps its portable torch path and logs why once. The ops:
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
-model cache under kernels/<cpu and torch fingerprint>, so every later process, replica and
-engine process on the machine loads it in milliseconds. `make install` builds it ahead of time
+model cache under kernels/<fingerprint of the CPU, torch, the flags and the sources>, so every
+later process, replica and engine process on the machine loads it in milliseconds. `make install` builds it ahead of time
 (`python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()'`).
 """
 
@@ -36,6 +36,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
 HEADERS = [CSRC / "elements.h"]  # included by the sources: part of the fingerprint
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
+LIBRARY = "serve_app_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -52,7 +53,7 @@ def _fingerprint() -> str:
         )  # fmt: skip
     except OSError:
         flags = ""
-    digest.update(f"{platform.machine()}|{flags}|{torch.__version__}".encode())
+    digest.update(f"{platform.machine()}|{flags}|{torch.__version__}|{_cflags()}".encode())
     for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
@@ -77,26 +78,39 @@ def _ninja_on_path() -> None:
         pass
 
 
-def _load() -> None:
-    from torch.utils import cpp_extension
-
-    _ninja_on_path()
-    build = _build_dir()
-    build.mkdir(parents=True, exist_ok=True)
+def _cflags() -> list[str]:
     flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
     else:
         flags.append("-mcpu=native")
+    return flags
+
+
+def _load() -> None:
+    """Load the finished build of this fingerprint, or build it first. A finished build is
+    loaded as it is, without asking ninja again: ninja rebuilds whenever the ninja that asks
+    differs from the one that built (a venv's ninja and the system's keep different logs), which
+    cost every engine start 10-25 s on machines with both."""
+    from torch.utils import cpp_extension
+
+    build = _build_dir()
+    library, done = build / f"{LIBRARY}.so", build / "built"
+    if done.exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return
+    _ninja_on_path()
+    build.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name="serve_app_cpu_kernels",
+        name=LIBRARY,
         sources=[str(s) for s in SOURCES],
-        extra_cflags=flags,
+        extra_cflags=_cflags(),
         extra_ldflags=["-fopenmp"],  # libgomp: the one torch has loaded already (same soname)
         build_directory=str(build),
         is_python_module=False,
         verbose=False,
     )
+    done.touch()  # only now: a process that starts while this one links waits for the build
 
 
 def _loaded() -> bool:

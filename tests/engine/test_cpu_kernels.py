@@ -161,6 +161,26 @@ def test_switched_off_or_unbuildable_means_none_and_a_warning(monkeypatch, caplo
     assert "not used" in caplog.text and "gathers" in caplog.text
 
 
+def test_a_finished_build_is_loaded_without_running_the_builder(monkeypatch):
+    """Once a build of this fingerprint is finished, a new process loads its library as it is:
+    the builder (and its ninja, which rebuilt everything whenever a different ninja had built
+    it) is not asked again."""
+    from torch.utils import cpp_extension
+
+    assert cpu_kernels.op("rms_norm") is not None  # built (or found) by this process
+    assert (cpu_kernels._build_dir() / "built").exists()
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the finished build was compiled again")
+
+    loaded = []
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(cpu_kernels, "_state", {})  # as a fresh process
+    assert cpu_kernels.op("rms_norm") is not None
+    assert loaded == [str(cpu_kernels._build_dir() / f"{cpu_kernels.LIBRARY}.so")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_transformers_rmsnorm(dtype):
     """float32 statistics; in bfloat16 the normalised row is rounded before the weight (as
