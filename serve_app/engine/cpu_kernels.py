@@ -14,8 +14,9 @@ engine keeps its portable torch path and logs why once. The ops:
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
 model cache under kernels/<fingerprint of the CPU, torch, the flags and the sources>, so every
-later process, replica and engine process on the machine loads it in milliseconds. `make install` builds it ahead of time
-(`python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()'`).
+later process, replica and engine process on the machine loads it in milliseconds. `make install`
+builds it ahead of time (`python -c 'from serve_app.engine import cpu_kernels;
+cpu_kernels.build()'`).
 """
 
 from __future__ import annotations
