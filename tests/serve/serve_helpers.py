@@ -148,3 +148,62 @@ def stop_infer_mid_stream(url: str, http, request_id: str, body: dict, after_eve
     assert not thread.is_alive(), "the stream did not end after stopInfer"
     assert all("error" not in e for e in result["events"])
     return result["events"], stopped_at
+
+
+# -- faults: a replica killed under a stream ----------------------------------------------------
+
+FAULT_STREAM = {"model": "demo", "prompt": "tell me a long story", "max_tokens": 4000,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+ERROR_WITHIN_S = 5.0  # a stream whose replica died ends with an error event this soon
+BACK_WITHIN_S = 120.0  # Serve has replaced what died and the app serves again this soon
+
+
+def actors(deployment: str) -> list[dict]:
+    import ray
+
+    return [
+        a for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]
+    ]  # fmt: skip
+
+
+def kill(actor: dict) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
+
+
+def stream_until_fault(
+    url: str, fault, after: int = 1, body: dict = FAULT_STREAM
+) -> tuple[list[dict], float]:
+    """A long completion stream (body); after its `after`-th event `fault()` runs. Returns the
+    events and the seconds from the fault to the stream's end."""
+    events: list[dict] = []
+    faulted_at = None
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if faulted_at is None and len(events) == after:
+                    fault()
+                    faulted_at = time.monotonic()
+    assert faulted_at is not None
+    return events, time.monotonic() - faulted_at
+
+
+def serves_again(url: str) -> None:
+    """Ready again and a request succeeds, within BACK_WITHIN_S."""
+    deadline = time.monotonic() + BACK_WITHIN_S
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
+    while time.monotonic() < deadline:
+        try:
+            ready = httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200
+            if ready and httpx.post(f"{url}/v1/completions", json=body, timeout=30).is_success:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"the app did not serve again within {BACK_WITHIN_S:.0f} s")

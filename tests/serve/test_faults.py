@@ -7,14 +7,22 @@ seconds, Ray Serve replaces what died, and new requests succeed once it is back.
 from __future__ import annotations
 
 import copy
-import json
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
-from serve_helpers import SERVE_TEST_ARGS, deploy
+from serve_helpers import (
+    BACK_WITHIN_S,
+    ERROR_WITHIN_S,
+    SERVE_TEST_ARGS,
+    actors,
+    deploy,
+    kill,
+    serves_again,
+    stream_until_fault,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +34,6 @@ FAULT_ARGS["BackendConfig"]["ScheduleConfig"].update(maxIterTimes=4096, kvCacheB
 # Serve notices a replica whose engine died at its next health check: every second here, not
 # the default 10 s, so the replacement test does not sit out the period
 FAULT_ARGS["Deployments"] = {"ModelReplica": {"health_check_period_s": 1}}
-LONG = {"model": "demo", "prompt": "tell me a long story", "max_tokens": 4000,
-        "ignore_eos": True, "stream": True}  # fmt: skip
-ERROR_WITHIN_S = 5.0
-BACK_WITHIN_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -40,64 +44,15 @@ def app(cluster):
     serve.delete("serve_app")
 
 
-def _actors(deployment: str) -> list[dict]:
-    import ray
-
-    return [
-        a for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]
-    ]  # fmt: skip
-
-
-def _kill(actor: dict) -> None:
-    import ray
-
-    ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
-
-
-def _stream_until_fault(url: str, fault, after: int = 1) -> tuple[list[dict], float]:
-    """A long completion stream; after its `after`-th event `fault()` runs. Returns the events
-    and the seconds from the fault to the stream's end."""
-    events: list[dict] = []
-    faulted_at = None
-    with httpx.Client(base_url=url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=LONG) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[6:]))
-                if faulted_at is None and len(events) == after:
-                    fault()
-                    faulted_at = time.monotonic()
-    assert faulted_at is not None
-    return events, time.monotonic() - faulted_at
-
-
-def _serves_again(url: str) -> None:
-    """Ready again and a request succeeds, within BACK_WITHIN_S."""
-    deadline = time.monotonic() + BACK_WITHIN_S
-    body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
-    while time.monotonic() < deadline:
-        try:
-            ready = httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200
-            if ready and httpx.post(f"{url}/v1/completions", json=body, timeout=30).is_success:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"the app did not serve again within {BACK_WITHIN_S:.0f} s")
-
-
 def test_a_model_replica_killed_mid_stream_ends_the_stream_and_is_replaced(app):
-    (replica,) = _actors("ModelReplica")
-    events, ended_s = _stream_until_fault(app, lambda: _kill(replica))
+    (replica,) = actors("ModelReplica")
+    events, ended_s = stream_until_fault(app, lambda: kill(replica))
     assert ended_s < ERROR_WITHIN_S
     error = events[-1]["error"]
     assert "a replica serving the request failed" in error["message"]
     assert "request id" in error["message"] and "Traceback" not in error["message"]
-    _serves_again(app)
-    assert [a["name"] for a in _actors("ModelReplica")] != [replica["name"]]  # a new one
+    serves_again(app)
+    assert [a["name"] for a in actors("ModelReplica")] != [replica["name"]]  # a new one
 
 
 def _engine_processes() -> list[psutil.Process]:
@@ -111,25 +66,25 @@ def _engine_processes() -> list[psutil.Process]:
 
 
 def test_an_engine_process_killed_inside_a_live_replica_fails_its_requests_and_is_replaced(app):
-    _serves_again(app)  # the replica of the test before is up
+    serves_again(app)  # the replica of the test before is up
     (engine,) = _engine_processes()
-    (replica,) = _actors("ModelReplica")
-    events, ended_s = _stream_until_fault(app, engine.kill)
+    (replica,) = actors("ModelReplica")
+    events, ended_s = stream_until_fault(app, engine.kill)
     assert ended_s < ERROR_WITHIN_S
     assert "engine process exited" in events[-1]["error"]["message"]
     # the replica is alive but its engine is not: its health check fails and Serve replaces it
-    _serves_again(app)
+    serves_again(app)
     deadline = time.monotonic() + BACK_WITHIN_S
-    while [a["name"] for a in _actors("ModelReplica")] == [replica["name"]]:
+    while [a["name"] for a in actors("ModelReplica")] == [replica["name"]]:
         assert time.monotonic() < deadline, "the replica without an engine was not replaced"
         time.sleep(1)
 
 
 def test_a_tokenizer_replica_killed_leaves_requests_to_the_other(app):
-    _serves_again(app)
-    pool = _actors("TokenizerPool")
+    serves_again(app)
+    pool = actors("TokenizerPool")
     assert len(pool) == 2
-    _kill(pool[0])
+    kill(pool[0])
     body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
     started = time.monotonic()
     results = [httpx.post(f"{app}/v1/completions", json=body, timeout=30) for _ in range(6)]
@@ -138,7 +93,7 @@ def test_a_tokenizer_replica_killed_leaves_requests_to_the_other(app):
     # replica can take it, refused at once with 503; never a 500
     assert {r.status_code for r in results} <= {200, 503}, [r.text for r in results]
     assert results[-1].status_code == 200
-    _serves_again(app)
+    serves_again(app)
 
 
 def test_ready_is_503_while_a_model_replica_cannot_be_placed_then_200(cluster):
@@ -174,7 +129,7 @@ def test_ready_is_503_while_a_model_replica_cannot_be_placed_then_200(cluster):
         # for more than a few seconds while it retries the placement: a generous timeout)
         assert httpx.get(f"{url}/v2/health/ready", timeout=60).status_code == 503
         node = cluster.add_node(num_cpus=1, resources={"NPU": 1, "LATE": 1})
-        _serves_again(url)
+        serves_again(url)
         deploying.join(BACK_WITHIN_S)
     finally:
         serve.delete("serve_app")

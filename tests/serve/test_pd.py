@@ -3,7 +3,9 @@
 The cluster (tests/serve/conftest.py) has a head without NPU and two workers advertising
 `NPU: 1` each, so the prefill and the decode replica must land on different workers and the KV
 crosses nodes through the Ray object store. Outputs must equal a colocated engine's, token for
-token, for greedy and for seeded sampling.
+token, for greedy and for seeded sampling. Last, faults: the decode replica killed mid-stream
+ends the stream with an error within seconds and is replaced; the prefill replica killed once it
+has handed over does not lose the stream. The surviving side's KV pool goes back to idle.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ import time
 import httpx
 import pytest
 from serve_helpers import (
+    ERROR_WITHIN_S,
+    FAULT_STREAM,
     LONG_KV_BLOCKS,
     LONG_MAX_TOKENS,
     PD_ARGS,
     PD_LONG_ARGS,
     PD_MAX_ITER,
+    actors,
     assert_freed_early,
     deploy,
+    kill,
     seconds_per_token,
+    serves_again,
     stop_infer_mid_stream,
+    stream_until_fault,
 )
 
 pytestmark = pytest.mark.slow
@@ -213,15 +221,18 @@ def pd_s_per_token(long_server):
     return seconds_per_token(long_server)
 
 
-def _role_stats() -> dict[str, dict]:
-    """Engine stats of the prefill and of the decode replica, asked of each directly."""
+ROLES = ("PrefillReplica", "DecodeReplica")
+
+
+def _role_stats(roles: tuple[str, ...] = ROLES) -> dict[str, dict]:
+    """Engine stats of each role's (single) replica, asked of each directly."""
     from ray import serve
 
     return {
         name: serve.get_deployment_handle(name, app_name="serve_app")
         .stats.remote()
         .result(timeout_s=30)
-        for name in ("PrefillReplica", "DecodeReplica")
+        for name in roles
     }
 
 
@@ -234,12 +245,12 @@ def _idle(stats: dict) -> bool:
     )
 
 
-def both_sides_idle(timeout_s: float = 10.0) -> bool:
-    """True once neither the prefill nor the decode replica runs anything or holds a KV block
-    (polled)."""
+def both_sides_idle(timeout_s: float = 10.0, roles: tuple[str, ...] = ROLES) -> bool:
+    """True once neither the prefill nor the decode replica (or only those of `roles`) runs
+    anything or holds a KV block (polled)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if all(_idle(stats) for stats in _role_stats().values()):
+        if all(_idle(stats) for stats in _role_stats(roles).values()):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -289,3 +300,38 @@ def test_stop_infer_and_timeout_free_both_sides(long_server, http, kv_idle_http,
     assert r.status_code == 500 and r.json()["error_type"] == "Incomplete Generation"
     assert_freed_early(both_sides_idle, timed_out_at, LONG_MAX_TOKENS, pd_s_per_token)
     assert kv_idle_http()
+
+
+# -- faults, on the long app (last: they kill and replace its replicas) ------------------------
+
+
+def test_a_decode_replica_killed_mid_stream_ends_it_and_is_replaced(long_server):
+    (decode,) = actors("DecodeReplica")
+    body = {**FAULT_STREAM, "max_tokens": LONG_MAX_TOKENS}
+    # the first event is the prefill replica's token; the second comes from the decode replica
+    events, ended_s = stream_until_fault(long_server, lambda: kill(decode), after=2, body=body)
+    assert ended_s < ERROR_WITHIN_S
+    assert "a replica serving the request failed" in events[-1]["error"]["message"]
+    assert both_sides_idle(roles=("PrefillReplica",))  # it holds nothing of the request
+    serves_again(long_server)
+    assert [a["name"] for a in actors("DecodeReplica")] != [decode["name"]]
+
+
+def test_a_prefill_replica_killed_after_the_hand_off_does_not_lose_the_stream(long_server):
+    serves_again(long_server)
+    (prefill,) = actors("PrefillReplica")
+    body = {**FAULT_STREAM, "max_tokens": 300}
+    with httpx.Client(base_url=long_server, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 1:
+                        kill(prefill)  # the first token is out: the decode replica has it
+    assert "error" not in events[-1], events[-1]
+    assert events[-1]["usage"]["completion_tokens"] == 300
+    assert both_sides_idle(roles=("DecodeReplica",))
+    serves_again(long_server)
+    assert [a["name"] for a in actors("PrefillReplica")] != [prefill["name"]]
