@@ -169,8 +169,12 @@ def test_chat_answers_like_the_model_does(llm, tok):
 
 
 def test_bfloat16_answers_too(tok):
+    # Not the France question: its first token is a near tie in float32 ("The" 25.33 against
+    # "L" 25.24), so in bfloat16 the CPU's rounding picks the answer (on an Intel Xeon without
+    # AVX512-BF16 transformers' own bf16 eager forward says "L'Étoile, la Marseillaise, ...",
+    # and so do we). Here every token up to "Tokyo" leads the next best by 2.5 logits or more.
     llm = make_llm(dtype="bfloat16")
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question = [{"role": "user", "content": "What is the capital of Japan?"}]
     ids = tok.apply_chat_template(question, add_generation_prompt=True, return_dict=False)
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
-    assert "Paris" in tok.decode(out.token_ids, skip_special_tokens=True)
+    assert "Tokyo" in tok.decode(out.token_ids, skip_special_tokens=True)
