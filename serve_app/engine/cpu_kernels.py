@@ -10,6 +10,9 @@ engine keeps its portable torch path and logs why once. The ops:
   torch's rms_norm and the eager rotary ops; cpu_layers.py).
 - `argmax_rows`: greedy sampling's argmax over a step's float32 or bfloat16 logits, exactly
   torch.argmax (else: a chunked torch argmax over float32 logits; sampler.row_argmax).
+- `streamed_linear`: the float32 LM head as one stream over its weight, the multiplication
+  overlapping the weight's arrival (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM).
+  Built on CPUs with AVX-512 only, where it was measured; `op` says None elsewhere.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
@@ -34,7 +37,10 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp", "streamed_gemm.cpp")
+]
 HEADERS = [CSRC / "elements.h"]  # included by the sources: part of the fingerprint
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
 LIBRARY = "serve_app_cpu_kernels"
@@ -137,8 +143,9 @@ def _loaded() -> bool:
 
 
 def op(name: str):
-    """torch.ops.serve_app_cpu.<name>, or None where the kernels cannot be had."""
-    return getattr(torch.ops.serve_app_cpu, name) if _loaded() else None
+    """torch.ops.serve_app_cpu.<name>, or None where the kernels cannot be had or this CPU's
+    build has no such op."""
+    return getattr(torch.ops.serve_app_cpu, name, None) if _loaded() else None
 
 
 def paged_decode_attention():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from serve_app.engine import cpu_gemm
+from serve_app.engine import cpu_gemm, cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.supported(torch.device("cpu"), torch.float32), reason="torch without oneDNN"
@@ -45,14 +45,52 @@ def test_only_cpu_float32_and_bfloat16_are_packed():
     assert not cpu_gemm.supported(torch.device("meta"), torch.float32)
 
 
+streamed = pytest.mark.skipif(
+    cpu_kernels.op("streamed_linear") is None, reason="streamed_linear is built for AVX-512 only"
+)
+
+
+@streamed
+@pytest.mark.parametrize("rows", [0, 1, 12, 13, 32, 48, 49, 100])
+@pytest.mark.parametrize("out_features", [32, 1000])
+@pytest.mark.parametrize("in_features", [64, 33])
+def test_streamed_linear_matches_nn_linear(rows, out_features, in_features):
+    # rows: none (a step that samples nothing), one register tile, one and a bit, the widest
+    # single pass (48) and past it (slices); out_features: whole blocks of 32 and a padded one
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    head = cpu_gemm.lm_head(linear.weight)
+    assert isinstance(head, cpu_gemm.StreamedLinear)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(head(x[None]), linear(x[None]), rtol=1e-5, atol=1e-5)
+
+
+@streamed
+def test_streamed_linear_reads_strided_rows():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=False)
+    head = cpu_gemm.lm_head(linear.weight)
+    x = torch.randn(10, 128)[:, ::2]  # every other column: not contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_head_stays_with_onednn():
+    weight = torch.randn(96, 64, dtype=torch.bfloat16)
+    assert isinstance(cpu_gemm.lm_head(weight), cpu_gemm.PackedLinear)
+
+
 def test_the_engine_packs_its_linears_on_cpu():
     from serve_app.engine.config import EngineConfig
     from serve_app.engine.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model="demo-tiny", dtype="float32", num_kv_blocks=4))
     # the decoder layers are fused (q/k/v, o, gate, up and down packed inside each), the LM head
-    # is packed on its own
+    # is packed on its own: for the streamed kernel in float32 where it is built
     assert runner.fused_layers == runner.hf_config.num_hidden_layers
     assert runner.packed_linears == 1
-    assert isinstance(runner.lm_head, cpu_gemm.PackedLinear)
+    head = cpu_gemm.StreamedLinear if cpu_kernels.op("streamed_linear") else cpu_gemm.PackedLinear
+    assert isinstance(runner.lm_head, head)
     assert not any(isinstance(m, nn.Linear) for m in runner.model.get_decoder().modules())
