@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from serve_app.engine import cpu_gemm, cpu_kernels
+from serve_app.engine.device import cpu_has_fast_bf16
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.supported(torch.device("cpu"), torch.float32), reason="torch without oneDNN"
@@ -48,23 +49,42 @@ def test_only_cpu_float32_and_bfloat16_are_packed():
 streamed = pytest.mark.skipif(
     cpu_kernels.op("streamed_linear") is None, reason="streamed_linear is built for AVX-512 only"
 )
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @streamed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 12, 13, 32, 48, 49, 100])
 @pytest.mark.parametrize("out_features", [32, 1000])
 @pytest.mark.parametrize("in_features", [64, 33])
-def test_streamed_linear_matches_nn_linear(rows, out_features, in_features):
+def test_streamed_linear_matches_nn_linear(dtype, rows, out_features, in_features):
     # rows: none (a step that samples nothing), one register tile, one and a bit, the widest
     # single pass (48) and past it (slices); out_features: whole blocks of 32 and a padded one
     torch.manual_seed(rows)
-    linear = nn.Linear(in_features, out_features, bias=False)
-    head = cpu_gemm.lm_head(linear.weight)
-    assert isinstance(head, cpu_gemm.StreamedLinear)
-    x = torch.randn(rows, in_features)
+    linear = nn.Linear(in_features, out_features, bias=False).to(dtype)
+    head = cpu_gemm.StreamedLinear(linear.weight, cpu_kernels.op("streamed_linear"))
+    x = torch.randn(rows, in_features, dtype=dtype)
+    tol = TOLERANCE[dtype]
     with torch.inference_mode():
-        torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(head(x[None]), linear(x[None]), rtol=1e-5, atol=1e-5)
+        got = head(x)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, linear(x), rtol=tol, atol=tol)
+        torch.testing.assert_close(head(x[None]), linear(x[None]), rtol=tol, atol=tol)
+
+
+@streamed
+def test_streamed_bfloat16_rounds_once_to_nearest_even():
+    # one row times an identity-like weight: each output is one input value times a power of
+    # two plus a tiny term, so the float32 sum and its bfloat16 rounding are known exactly
+    weight = torch.zeros(32, 2, dtype=torch.bfloat16)
+    weight[:, 0], weight[:, 1] = 1.0, 2.0**-9  # 1 + 2^-9: between bf16 steps 1 and 1 + 2^-7
+    head = cpu_gemm.StreamedLinear(weight, cpu_kernels.op("streamed_linear"))
+    x = torch.tensor([[1.0, 1.0], [1.0, 3.0], [float("nan"), 1.0]], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = head(x)
+    expect = (x.float() @ weight.float().t()).to(torch.bfloat16)  # float32 sum, rounded once
+    torch.testing.assert_close(out[:2], expect[:2], rtol=0, atol=0)
+    assert out[2].isnan().all()
 
 
 @streamed
@@ -77,9 +97,12 @@ def test_streamed_linear_reads_strided_rows():
         torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_bfloat16_head_stays_with_onednn():
-    weight = torch.randn(96, 64, dtype=torch.bfloat16)
-    assert isinstance(cpu_gemm.lm_head(weight), cpu_gemm.PackedLinear)
+def test_the_lm_head_streams_where_the_kernel_is_faster():
+    built = cpu_kernels.op("streamed_linear") is not None
+    for dtype, wanted in [(torch.float32, True), (torch.bfloat16, not cpu_has_fast_bf16())]:
+        head = cpu_gemm.lm_head(torch.randn(96, 64, dtype=dtype))
+        kind = cpu_gemm.StreamedLinear if built and wanted else cpu_gemm.PackedLinear
+        assert isinstance(head, kind), dtype
 
 
 def test_the_engine_packs_its_linears_on_cpu():
@@ -91,6 +114,8 @@ def test_the_engine_packs_its_linears_on_cpu():
     # is packed on its own: for the streamed kernel in float32 where it is built
     assert runner.fused_layers == runner.hf_config.num_hidden_layers
     assert runner.packed_linears == 1
-    head = cpu_gemm.StreamedLinear if cpu_kernels.op("streamed_linear") else cpu_gemm.PackedLinear
-    assert isinstance(runner.lm_head, head)
+    streamed = cpu_gemm.streams(torch.float32)
+    assert isinstance(
+        runner.lm_head, cpu_gemm.StreamedLinear if streamed else cpu_gemm.PackedLinear
+    )
     assert not any(isinstance(m, nn.Linear) for m in runner.model.get_decoder().modules())

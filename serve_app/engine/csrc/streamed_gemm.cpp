@@ -1,9 +1,11 @@
-// A float32 GEMM for a weight far larger than the CPU's caches, read once per call as a stream:
-// the LM head (151936 x 512 on the demo model, 311 MB), multiplied by a step's few dozen rows.
+// A GEMM for a weight far larger than the CPU's caches, read once per call as a stream: the LM
+// head (151936 x 512 on the demo model, 311 MB in float32), multiplied by a step's few dozen rows.
 //
 // streamed_linear(x [M, K], packed [blocks, K, 32], n) -> x @ W^T [M, n], with W [n, K] packed
 //   by cpu_gemm.StreamedLinear: 32 of its rows per block, transposed so that each k holds the
-//   block's 32 weights side by side (two 16-lane vectors), the last block padded with zeros.
+//   block's 32 weights side by side, the last block padded with zeros. x, W and the result share
+//   a dtype: float32, or bfloat16 (widened to float32 exactly, summed in float32, the sums
+//   rounded to nearest-even once, as a bfloat16 GEMM rounds).
 //
 // At a few dozen rows such a GEMM is neither compute- nor memory-bound alone: a weight block
 // takes as long to arrive from memory as to multiply, and oneDNN's blocked kernel does one after
@@ -11,15 +13,19 @@
 // and the arithmetic alone ~17 ms). Here every block is multiplied in register tiles of up to 12
 // rows x 32 columns (24 accumulators) while the block after next is asked into L2, its lines
 // spread evenly over the tiles' k loops: 19-20 ms. Each output is one k-ordered float32 sum.
+// bfloat16 is used here only on CPUs without bfloat16 arithmetic (cpu_gemm.lm_head), where
+// oneDNN's bfloat16 GEMM runs at a quarter of its float32 rate.
 //
 // Registered as torch.ops.serve_app_cpu.streamed_linear by serve_app/engine/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)  // measured there only: other CPUs keep oneDNN's GEMM
+// measured on AVX-512 only: other CPUs keep oneDNN's GEMM
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
 #include <immintrin.h>
 
@@ -32,24 +38,46 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kCols = 2 * kLanes;  // weight rows per packed block
 constexpr int64_t kRows = 12;          // 24 of the 32 vector registers hold accumulators
-constexpr int64_t kMaxRows = 48;  // rows multiplied per pass over the weight
-constexpr int64_t kAheadBlocks = 2;  // blocks asked for ahead of their use
-constexpr int64_t kLine = 64;        // bytes per cache line
+constexpr int64_t kMaxRows = 48;       // rows multiplied per pass over the weight
+constexpr int64_t kAheadBlocks = 2;    // blocks asked for ahead of their use
+constexpr int64_t kLine = 64;          // bytes per cache line
+
+inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline __mmask16 first(int64_t count) {
+  return count >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+}
 
 inline void store(float* out, __m512 v, int64_t count) {
-  _mm512_mask_storeu_ps(out, count >= kLanes ? 0xFFFF : (1u << count) - 1, v);
+  _mm512_mask_storeu_ps(out, first(count), v);
+}
+
+// rounded to nearest-even as c10::BFloat16 rounds (a NaN becomes its quiet NaN)
+inline void store(c10::BFloat16* out, __m512 v, int64_t count) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_srli_epi32(rounded, 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out, first(count), _mm512_cvtepi32_epi16(rounded));
 }
 
 // out[r, :cols] = x[r, :] @ block for R rows; while multiplying, `fetch` lines from `ahead`
 // (consecutive, `per_k` for each k) are asked into L2.
-template <int64_t R>
-void tile(const float* x, int64_t K, const float* block, float* out, int64_t ldo, int64_t cols,
+template <int64_t R, typename T>
+void tile(const float* x, int64_t K, const T* block, T* out, int64_t ldo, int64_t cols,
           const char* ahead, int64_t fetch, int64_t per_k) {
   __m512 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(block + k * kCols);
-    const __m512 w1 = _mm512_loadu_ps(block + k * kCols + kLanes);
+    const __m512 w0 = load(block + k * kCols);
+    const __m512 w1 = load(block + k * kCols + kLanes);
     if (k * per_k < fetch) {
       for (int64_t j = 0; j < per_k; ++j) __builtin_prefetch(ahead + (k * per_k + j) * kLine, 0, 2);
     }
@@ -65,30 +93,20 @@ void tile(const float* x, int64_t K, const float* block, float* out, int64_t ldo
   }
 }
 
-template <int64_t... Rs>
+template <typename T, int64_t... Rs>
 void tile_of(int64_t rows, std::integer_sequence<int64_t, Rs...>, const float* x, int64_t K,
-             const float* block, float* out, int64_t ldo, int64_t cols, const char* ahead,
+             const T* block, T* out, int64_t ldo, int64_t cols, const char* ahead,
              int64_t fetch, int64_t per_k) {
   ((rows == Rs + 1 ? tile<Rs + 1>(x, K, block, out, ldo, cols, ahead, fetch, per_k) : void()),
    ...);
 }
 
-at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kFloat,
-              "packed must be float32 [blocks, K, 32], contiguous");
-  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "x and packed differ in K");
-  TORCH_CHECK(n > (blocks - 1) * kCols && n <= blocks * kCols, "n does not match the blocks");
-  const auto xc = x.contiguous();
-  auto out = at::empty({M, n}, x.options());
-  if (M == 0 || K == 0) return out.zero_();  // no rows (a step that samples nothing), or sums of nothing
-  const float* xd = xc.data_ptr<float>();
-  const float* wd = packed.data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  const int64_t block_floats = K * kCols;
-  const int64_t lines = block_floats * static_cast<int64_t>(sizeof(float)) / kLine;
+// x: float32 [M, K], contiguous (a bfloat16 x widened first: a few rows, exact)
+template <typename T>
+void gemm(const float* xd, const T* wd, T* od, int64_t M, int64_t K, int64_t n,
+          int64_t blocks) {
+  const int64_t block_size = K * kCols;
+  const int64_t lines = block_size * static_cast<int64_t>(sizeof(T)) / kLine;
   // more rows than kMaxRows go through the weight again, in slices of equal size
   const int64_t slices = (M + kMaxRows - 1) / kMaxRows;
   const int64_t slice_rows = (M + slices - 1) / slices;
@@ -99,19 +117,40 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_
     const int64_t per_k = (per_pass + K - 1) / K;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
-        const float* block = wd + b * block_floats;
+        const T* block = wd + b * block_size;
         const int64_t cols = std::min(kCols, n - b * kCols);
         const bool ask = b + kAheadBlocks < end;  // the blocks past `end` are another thread's
-        const char* ahead = reinterpret_cast<const char*>(block + kAheadBlocks * block_floats);
+        const char* ahead = reinterpret_cast<const char*>(block + kAheadBlocks * block_size);
         for (int64_t m = 0, pass = 0; m < rows; m += kRows, ++pass) {
-          const int64_t first = pass * per_pass;
-          const int64_t fetch = ask ? std::max<int64_t>(0, std::min(per_pass, lines - first)) : 0;
+          const int64_t start = pass * per_pass;
+          const int64_t fetch = ask ? std::max<int64_t>(0, std::min(per_pass, lines - start)) : 0;
           tile_of(std::min(kRows, rows - m), std::make_integer_sequence<int64_t, kRows>{},
                   xd + (row0 + m) * K, K, block, od + (row0 + m) * n + b * kCols, n, cols,
-                  ahead + first * kLine, fetch, per_k);
+                  ahead + start * kLine, fetch, per_k);
         }
       }
     });
+  }
+}
+
+at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x and packed must both be float32 or both bfloat16");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous(),
+              "packed must be [blocks, K, 32], contiguous");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x and packed differ in K");
+  TORCH_CHECK(n > (blocks - 1) * kCols && n <= blocks * kCols, "n does not match the blocks");
+  auto out = at::empty({M, n}, x.options());
+  if (M == 0 || K == 0) return out.zero_();  // no rows (a step that samples nothing), or no sums
+  const auto xf = x.to(at::kFloat).contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    gemm(xf.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), M, K, n, blocks);
+  } else {
+    gemm(xf.data_ptr<float>(), packed.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+         M, K, n, blocks);
   }
   return out;
 }
@@ -124,4 +163,4 @@ TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
 
 TORCH_LIBRARY_IMPL(serve_app_cpu, CPU, m) { m.impl("streamed_linear", &streamed_linear); }
 
-#endif  // __AVX512F__
+#endif
