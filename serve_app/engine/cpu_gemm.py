@@ -84,11 +84,13 @@ class StreamedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel
-        blocks = -(-self.out_features // 32)
-        with torch.no_grad():
-            padded = weight.new_zeros(blocks * 32, self.in_features)
-            padded[: self.out_features] = weight.detach()
-            self.packed = padded.view(blocks, 32, self.in_features).transpose(1, 2).contiguous()
+        n, k = weight.shape
+        self.packed = weight.new_zeros(-(-n // 32), k, 32)  # written block by block: no copy
+        with torch.no_grad():  # of the whole weight besides the packed one
+            whole = n // 32
+            self.packed[:whole].copy_(weight[: whole * 32].view(whole, 32, k).transpose(1, 2))
+            if n % 32:
+                self.packed[whole, :, : n % 32].copy_(weight[whole * 32 :].t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
