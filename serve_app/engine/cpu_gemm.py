@@ -80,13 +80,13 @@ class StreamedLinear(nn.Module):
     cpu_kernels' streamed_linear: blocks of 32 output rows, each transposed
     ([blocks, in_features, 32]), zero-padded."""
 
-    def __init__(self, weight: torch.Tensor, kernel) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.kernel = kernel
-        n, k = weight.shape
-        self.packed = weight.new_zeros(-(-n // 32), k, 32)  # written block by block: no copy
-        with torch.no_grad():  # of the whole weight besides the packed one
+        self.out_features, self.in_features = n, k = weight.shape
+        self.kernel = cpu_kernels.op("streamed_linear")
+        # filled block by block from the weight: no padded copy of the whole head on the way
+        self.packed = weight.new_zeros(-(-n // 32), k, 32)
+        with torch.no_grad():
             whole = n // 32
             self.packed[:whole].copy_(weight[: whole * 32].view(whole, 32, k).transpose(1, 2))
             if n % 32:
@@ -111,9 +111,7 @@ def streams(dtype: torch.dtype) -> bool:
 def lm_head(weight: torch.Tensor) -> nn.Module:
     """The LM head's layer for a bias-free `weight`: a StreamedLinear where `streams` says so,
     else a PackedLinear."""
-    if streams(weight.dtype):
-        return StreamedLinear(weight, cpu_kernels.op("streamed_linear"))
-    return PackedLinear(weight)
+    return StreamedLinear(weight) if streams(weight.dtype) else PackedLinear(weight)
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -62,7 +62,7 @@ def test_streamed_linear_matches_nn_linear(dtype, rows, out_features, in_feature
     # single pass (48) and past it (slices); out_features: whole blocks of 32 and a padded one
     torch.manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=False).to(dtype)
-    head = cpu_gemm.StreamedLinear(linear.weight, cpu_kernels.op("streamed_linear"))
+    head = cpu_gemm.StreamedLinear(linear.weight)
     x = torch.randn(rows, in_features, dtype=dtype)
     tol = TOLERANCE[dtype]
     with torch.inference_mode():
@@ -78,7 +78,7 @@ def test_streamed_bfloat16_rounds_once_to_nearest_even():
     # two plus a tiny term, so the float32 sum and its bfloat16 rounding are known exactly
     weight = torch.zeros(32, 2, dtype=torch.bfloat16)
     weight[:, 0], weight[:, 1] = 1.0, 2.0**-9  # 1 + 2^-9: between bf16 steps 1 and 1 + 2^-7
-    head = cpu_gemm.StreamedLinear(weight, cpu_kernels.op("streamed_linear"))
+    head = cpu_gemm.StreamedLinear(weight)
     x = torch.tensor([[1.0, 1.0], [1.0, 3.0], [float("nan"), 1.0]], dtype=torch.bfloat16)
     with torch.inference_mode():
         out = head(x)
