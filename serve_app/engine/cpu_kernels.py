@@ -10,10 +10,11 @@ engine keeps its portable torch path and logs why once. The ops:
   torch's rms_norm and the eager rotary ops; cpu_layers.py).
 - `argmax_rows`: greedy sampling's argmax over a step's float32 or bfloat16 logits, exactly
   torch.argmax (else: a chunked torch argmax over float32 logits; sampler.row_argmax).
-- `streamed_linear`: the LM head as one stream over its weight, the multiplication overlapping
-  the weight's arrival, in float32, and in bfloat16 on CPUs without bf16 arithmetic
-  (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM). Built on CPUs with AVX-512 only,
-  where it was measured; `op` says None elsewhere.
+- `streamed_linear`: a GEMM that streams its weight, the multiplication overlapping the
+  weight's arrival, with the bias and a residual add or a product applied as it writes: the LM
+  head and the fused decoder layers' projections, in float32, and in bfloat16 on CPUs without
+  bf16 arithmetic (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM). Built on CPUs with
+  AVX-512 only, where it was measured; `op` says None elsewhere.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the

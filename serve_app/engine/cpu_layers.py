@@ -6,9 +6,10 @@ the product and two residual adds). On a small model with many layers (SmolLM2-1
 of width 576) the dispatch of those ops and their passes over memory cost as much as the
 matrix products. `FusedDecoderLayer` computes the same layer with:
 
-* one prepacked GEMM for q, k and v together, and one each for gate (SiLU applied by the GEMM),
-  up (the product with the activated gate applied by the GEMM), o and down (each adding the
-  residual as it writes its output): five GEMMs and no separate activation, product or add;
+* one GEMM for q, k and v together, and one each for gate (then SiLU), up (the product with
+  the activated gate applied by the GEMM), o and down (each adding the residual as it writes its
+  output): five GEMMs and no separate product or add, on cpu_gemm.linear's layers (oneDNN's
+  prepacked GEMM, or the engine's streamed kernel where it is built and faster);
 * RMSNorm as transformers computes it (float32 statistics, cast back, then the weight), in one
   pass by the engine's compiled `rms_norm` (cpu_kernels.py), else torch's fused `rms_norm`;
 * the rotary embedding applied once to q and k together, in place in one pass by the compiled
@@ -113,11 +114,11 @@ class FusedDecoderLayer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(layer.post_attention_layernorm)
         with torch.no_grad():
             qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            self.qkv_proj = cpu_gemm.PackedLinear(qkv, _qkv_bias(attn))
-        self.o_proj = cpu_gemm.PackedLinear(attn.o_proj.weight)
-        self.gate_proj = cpu_gemm.PackedLinear(mlp.gate_proj.weight)
-        self.up_proj = cpu_gemm.PackedLinear(mlp.up_proj.weight)
-        self.down_proj = cpu_gemm.PackedLinear(mlp.down_proj.weight)
+            self.qkv_proj = cpu_gemm.linear(qkv, _qkv_bias(attn))
+        self.o_proj = cpu_gemm.linear(attn.o_proj.weight)
+        self.gate_proj = cpu_gemm.linear(mlp.gate_proj.weight)
+        self.up_proj = cpu_gemm.linear(mlp.up_proj.weight)
+        self.down_proj = cpu_gemm.linear(mlp.down_proj.weight)
         self.rotary = cpu_kernels.op("rotary_")
 
     def forward(

@@ -40,7 +40,7 @@ class ModelRunner:
             self.fused_layers = cpu_layers.fuse_decoder_layers(decoder, hidden_act)
             self.packed_linears = cpu_gemm.pack_linears(decoder)
             if self.lm_head is not None:
-                self.lm_head = cpu_gemm.lm_head(self.lm_head.weight)
+                self.lm_head = cpu_gemm.linear(self.lm_head.weight)
                 self.packed_linears += 1
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv()

@@ -91,16 +91,72 @@ def test_streamed_bfloat16_rounds_once_to_nearest_even():
 def test_streamed_linear_reads_strided_rows():
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=False)
-    head = cpu_gemm.lm_head(linear.weight)
+    head = cpu_gemm.linear(linear.weight)
     x = torch.randn(10, 128)[:, ::2]  # every other column: not contiguous
     with torch.inference_mode():
         torch.testing.assert_close(head(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
-def test_the_lm_head_streams_where_the_kernel_is_faster():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", [cpu_gemm.PackedLinear, cpu_gemm.StreamedLinear])
+@pytest.mark.parametrize("rows", [1, 13, 100])  # one tile, two, several slices of rows
+def test_the_fused_forms_match_their_unfused_ops(kind, dtype, rows):
+    if kind is cpu_gemm.StreamedLinear and cpu_kernels.op("streamed_linear") is None:
+        pytest.skip("streamed_linear is built for AVX-512 only")
+    torch.manual_seed(rows)
+    linear = nn.Linear(64, 72, bias=True).to(dtype)  # 72: a padded block of 32
+    layer = kind(linear.weight, linear.bias)
+    x = torch.randn(rows, 64, dtype=dtype)
+    other = torch.randn(rows, 144, dtype=dtype)[:, 72:]  # rows 144 apart: not contiguous
+    columns_apart = other.t().contiguous().t()  # each column contiguous instead
+    # float32 sums rounded once: what each fused form computes before its one rounding
+    exact = x.float() @ linear.weight.float().t() + linear.bias.float()
+    tol = TOLERANCE[dtype]
+    with torch.inference_mode():
+        for got, expect in [
+            (layer(x), exact),
+            (layer.add(x, other), exact + other.float()),
+            (layer.mul(x, other), exact * other.float()),
+            (layer.silu(x), nn.functional.silu(exact)),
+            (layer.add(x[None], other[None]), (exact + other.float())[None]),
+            (layer.mul(x, columns_apart), exact * other.float()),
+        ]:
+            assert got.dtype == dtype and got.shape == expect.shape
+            torch.testing.assert_close(got, expect.to(dtype), rtol=tol, atol=tol)
+
+
+@streamed
+def test_the_streamed_epilogue_rounds_once_in_bfloat16():
+    # x @ W^T = 1 + 2^-9 (not a bfloat16 value) plus other = 2^-8 is 1 + 3 * 2^-9, which rounds
+    # up to 1 + 2^-7; rounding the product first would give 1 + 2^-8, a tie that rounds to 1
+    weight = torch.zeros(32, 2, dtype=torch.bfloat16)
+    weight[:, 0], weight[:, 1] = 1.0, 2.0**-9
+    layer = cpu_gemm.StreamedLinear(weight)
+    x = torch.tensor([[1.0, 1.0]], dtype=torch.bfloat16)
+    other = torch.full((1, 32), 2.0**-8, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        total = layer.add(x, other)
+    assert (total == 1 + 2.0**-7).all()
+    assert ((layer(x) + other) == 1).all()  # the two roundings the epilogue saves
+
+
+@streamed
+def test_streamed_linear_checks_its_epilogue_arguments():
+    kernel = cpu_kernels.op("streamed_linear")
+    layer = cpu_gemm.StreamedLinear(torch.randn(64, 16))
+    x = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match="other must be"):
+        kernel(x, layer.packed, 64, None, torch.randn(3, 63), 1)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        kernel(x, layer.packed, 64, torch.randn(65), None, 0)
+    with pytest.raises(RuntimeError, match="unknown epilogue"):
+        kernel(x, layer.packed, 64, None, torch.randn(3, 64), 3)
+
+
+def test_a_layer_streams_where_the_kernel_is_faster():
     built = cpu_kernels.op("streamed_linear") is not None
     for dtype, wanted in [(torch.float32, True), (torch.bfloat16, not cpu_has_fast_bf16())]:
-        head = cpu_gemm.lm_head(torch.randn(96, 64, dtype=dtype))
+        head = cpu_gemm.linear(torch.randn(96, 64, dtype=dtype))
         kind = cpu_gemm.StreamedLinear if built and wanted else cpu_gemm.PackedLinear
         assert isinstance(head, kind), dtype
 
@@ -109,13 +165,15 @@ def test_the_engine_packs_its_linears_on_cpu():
     from serve_app.engine.config import EngineConfig
     from serve_app.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(EngineConfig(model="demo-tiny", dtype="float32", num_kv_blocks=4))
-    # the decoder layers are fused (q/k/v, o, gate, up and down packed inside each), the LM head
-    # is packed on its own: for the streamed kernel in float32 where it is built
-    assert runner.fused_layers == runner.hf_config.num_hidden_layers
-    assert runner.packed_linears == 1
-    streamed = cpu_gemm.streams(torch.float32)
-    assert isinstance(
-        runner.lm_head, cpu_gemm.StreamedLinear if streamed else cpu_gemm.PackedLinear
-    )
-    assert not any(isinstance(m, nn.Linear) for m in runner.model.get_decoder().modules())
+    for dtype, name in [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")]:
+        runner = ModelRunner(EngineConfig(model="demo-tiny", dtype=name, num_kv_blocks=4))
+        # the decoder layers are fused (q/k/v, o, gate, up and down inside each), the LM head
+        # is on its own; every one of them streamed where the kernel is built and faster
+        assert runner.fused_layers == runner.hf_config.num_hidden_layers
+        assert runner.packed_linears == 1
+        kind = cpu_gemm.StreamedLinear if cpu_gemm.streams(dtype) else cpu_gemm.PackedLinear
+        assert isinstance(runner.lm_head, kind)
+        layer = runner.model.get_decoder().layers[0]
+        for part in ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            assert isinstance(getattr(layer, part), kind), (name, part)
+        assert not any(isinstance(m, nn.Linear) for m in runner.model.get_decoder().modules())

@@ -1,19 +1,22 @@
-// A GEMM for a weight far larger than the CPU's caches, read once per call as a stream: the LM
-// head (151936 x 512 on the demo model, 311 MB in float32), multiplied by a step's few dozen rows.
+// A GEMM that reads its weight once per call as a stream, for weights that do not stay in the
+// CPU's caches between uses: the LM head (151936 x 512 on the demo model, 311 MB in float32) and
+// the decoder layers' projections, multiplied by a decode step's few dozen rows.
 //
-// streamed_linear(x [M, K], packed [blocks, K, 32], n) -> x @ W^T [M, n], with W [n, K] packed
-//   by cpu_gemm.StreamedLinear: 32 of its rows per block, transposed so that each k holds the
-//   block's 32 weights side by side, the last block padded with zeros. x, W and the result share
-//   a dtype: float32, or bfloat16 (widened to float32 exactly, summed in float32, the sums
-//   rounded to nearest-even once, as a bfloat16 GEMM rounds).
+// streamed_linear(x [M, K], packed [blocks, K, 32], n, bias=None, other=None, epilogue=0)
+//   -> x @ W^T (+ bias) [M, n], then + other (epilogue 1) or * other (epilogue 2), with W [n, K]
+//   packed by cpu_gemm.StreamedLinear: 32 of its rows per block, transposed so that each k holds
+//   the block's 32 weights side by side, the last block padded with zeros. x, W, bias, other and
+//   the result share a dtype: float32, or bfloat16 (widened to float32 exactly, summed and
+//   finished in float32, rounded to nearest-even once, as a bfloat16 GEMM with fused ops rounds).
 //
 // At a few dozen rows such a GEMM is neither compute- nor memory-bound alone: a weight block
 // takes as long to arrive from memory as to multiply, and oneDNN's blocked kernel does one after
-// the other (measured on a 2-core Xeon at 32 rows: 25.7 ms, while the memory alone takes 11 ms
-// and the arithmetic alone ~17 ms). Here every block is multiplied in register tiles of up to 12
-// rows x 32 columns (24 accumulators) while the block after next is asked into L2, its lines
-// spread evenly over the tiles' k loops: 19-20 ms. Each output is one k-ordered float32 sum.
-// bfloat16 is used here only on CPUs without bfloat16 arithmetic (cpu_gemm.lm_head), where
+// the other (measured on a 2-core Xeon at 32 rows: 25.7 ms for the demo's head, while the memory
+// alone takes 11 ms and the arithmetic alone ~17 ms). Here every block is multiplied in register
+// tiles of up to 12 rows x 32 columns (24 accumulators) while the block after next is asked into
+// L2, its lines spread evenly over the tiles' k loops: 19-20 ms. Each output is one k-ordered
+// float32 sum. More rows than 48 (a prefill) go through each thread's blocks again, 48 at a time.
+// bfloat16 is used here only on CPUs without bfloat16 arithmetic (cpu_gemm.streams), where
 // oneDNN's bfloat16 GEMM runs at a quarter of its float32 rate.
 //
 // Registered as torch.ops.serve_app_cpu.streamed_linear by serve_app/engine/cpu_kernels.py.
@@ -68,11 +71,39 @@ inline void store(c10::BFloat16* out, __m512 v, int64_t count) {
   _mm256_mask_storeu_epi16(out, first(count), _mm512_cvtepi32_epi16(rounded));
 }
 
-// out[r, :cols] = x[r, :] @ block for R rows; while multiplying, `fetch` lines from `ahead`
-// (consecutive, `per_k` for each k) are asked into L2.
+inline __m512 load(const float* p, int64_t count) {
+  return _mm512_maskz_loadu_ps(first(count), p);
+}
+
+inline __m512 load(const c10::BFloat16* p, int64_t count) {
+  const __m256i half = _mm256_maskz_loadu_epi16(first(count), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// What is applied to a sum before it is stored: + bias[column], then + other[row, column]
+// (kAdd) or * other[row, column] (kMul), all in float32 before the one rounding.
+enum Epilogue : int64_t { kNone = 0, kAdd = 1, kMul = 2 };
+
+template <typename T>
+struct Finish {
+  const T* bias;   // [n] or null, at the block's first column
+  const T* other;  // [M, n] rows with stride ld_other, at the tile's first row and column
+  int64_t ld_other;
+  Epilogue kind;
+
+  __m512 apply(__m512 v, int64_t r, int64_t col, int64_t count) const {
+    if (bias != nullptr) v = _mm512_add_ps(v, load(bias + col, count));
+    if (kind == kNone) return v;
+    const __m512 o = load(other + r * ld_other + col, count);
+    return kind == kAdd ? _mm512_add_ps(v, o) : _mm512_mul_ps(v, o);
+  }
+};
+
+// out[r, :cols] = x[r, :] @ block for R rows, finished; while multiplying, `fetch` lines from
+// `ahead` (consecutive, `per_k` for each k) are asked into L2.
 template <int64_t R, typename T>
 void tile(const float* x, int64_t K, const T* block, T* out, int64_t ldo, int64_t cols,
-          const char* ahead, int64_t fetch, int64_t per_k) {
+          const Finish<T>& finish, const char* ahead, int64_t fetch, int64_t per_k) {
   __m512 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
@@ -88,34 +119,41 @@ void tile(const float* x, int64_t K, const T* block, T* out, int64_t ldo, int64_
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    store(out + r * ldo, acc[r][0], cols);
-    if (cols > kLanes) store(out + r * ldo + kLanes, acc[r][1], cols - kLanes);
+    store(out + r * ldo, finish.apply(acc[r][0], r, 0, cols), cols);
+    if (cols > kLanes) {
+      store(out + r * ldo + kLanes, finish.apply(acc[r][1], r, kLanes, cols - kLanes),
+            cols - kLanes);
+    }
   }
 }
 
 template <typename T, int64_t... Rs>
 void tile_of(int64_t rows, std::integer_sequence<int64_t, Rs...>, const float* x, int64_t K,
-             const T* block, T* out, int64_t ldo, int64_t cols, const char* ahead,
-             int64_t fetch, int64_t per_k) {
-  ((rows == Rs + 1 ? tile<Rs + 1>(x, K, block, out, ldo, cols, ahead, fetch, per_k) : void()),
+             const T* block, T* out, int64_t ldo, int64_t cols, const Finish<T>& finish,
+             const char* ahead, int64_t fetch, int64_t per_k) {
+  ((rows == Rs + 1
+        ? tile<Rs + 1>(x, K, block, out, ldo, cols, finish, ahead, fetch, per_k)
+        : void()),
    ...);
 }
 
-// x: float32 [M, K], contiguous (a bfloat16 x widened first: a few rows, exact)
+// x: float32 [M, K], contiguous (a bfloat16 x widened first: a few rows, exact). Each thread
+// takes a range of blocks and goes through it once per slice of at most kMaxRows rows, so a
+// many-row x (a prefill) meets no barrier between slices and each thread's blocks stay in its
+// cache from one slice to the next.
 template <typename T>
-void gemm(const float* xd, const T* wd, T* od, int64_t M, int64_t K, int64_t n,
-          int64_t blocks) {
+void gemm(const float* xd, const T* wd, T* od, int64_t M, int64_t K, int64_t n, int64_t blocks,
+          Finish<T> finish) {
   const int64_t block_size = K * kCols;
   const int64_t lines = block_size * static_cast<int64_t>(sizeof(T)) / kLine;
-  // more rows than kMaxRows go through the weight again, in slices of equal size
   const int64_t slices = (M + kMaxRows - 1) / kMaxRows;
-  const int64_t slice_rows = (M + slices - 1) / slices;
-  for (int64_t row0 = 0; row0 < M; row0 += slice_rows) {
-    const int64_t rows = std::min(slice_rows, M - row0);
-    const int64_t passes = (rows + kRows - 1) / kRows;
-    const int64_t per_pass = (lines + passes - 1) / passes;  // lines asked for by each tile
-    const int64_t per_k = (per_pass + K - 1) / K;
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t slice_rows = (M + slices - 1) / slices;  // slices of equal size
+  const int64_t passes = (std::min(slice_rows, M) + kRows - 1) / kRows;
+  const int64_t per_pass = (lines + passes - 1) / passes;  // lines asked for by each tile
+  const int64_t per_k = (per_pass + K - 1) / K;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row0 = 0; row0 < M; row0 += slice_rows) {
+      const int64_t rows = std::min(slice_rows, M - row0);
       for (int64_t b = begin; b < end; ++b) {
         const T* block = wd + b * block_size;
         const int64_t cols = std::min(kCols, n - b * kCols);
@@ -124,16 +162,30 @@ void gemm(const float* xd, const T* wd, T* od, int64_t M, int64_t K, int64_t n,
         for (int64_t m = 0, pass = 0; m < rows; m += kRows, ++pass) {
           const int64_t start = pass * per_pass;
           const int64_t fetch = ask ? std::max<int64_t>(0, std::min(per_pass, lines - start)) : 0;
+          Finish<T> at = finish;
+          if (at.bias != nullptr) at.bias += b * kCols;
+          if (at.kind != kNone) at.other += (row0 + m) * at.ld_other + b * kCols;
           tile_of(std::min(kRows, rows - m), std::make_integer_sequence<int64_t, kRows>{},
-                  xd + (row0 + m) * K, K, block, od + (row0 + m) * n + b * kCols, n, cols,
+                  xd + (row0 + m) * K, K, block, od + (row0 + m) * n + b * kCols, n, cols, at,
                   ahead + start * kLine, fetch, per_k);
         }
       }
-    });
-  }
+    }
+  });
 }
 
-at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+template <typename T>
+Finish<T> finish_of(const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& other,
+                    int64_t kind) {
+  const bool with_other = kind != kNone;
+  return {bias ? bias->data_ptr<T>() : nullptr, with_other ? other->data_ptr<T>() : nullptr,
+          with_other ? other->stride(0) : 0, static_cast<Epilogue>(kind)};
+}
+
+// x @ W^T (+ bias) (+ or * other, by `epilogue`: 0 none, 1 add, 2 mul)
+at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                           const c10::optional<at::Tensor>& bias,
+                           const c10::optional<at::Tensor>& other, int64_t epilogue) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -143,14 +195,30 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "x and packed differ in K");
   TORCH_CHECK(n > (blocks - 1) * kCols && n <= blocks * kCols, "n does not match the blocks");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                        bias->scalar_type() == x.scalar_type()),
+              "bias must be [n], contiguous, in x's dtype");
+  TORCH_CHECK(epilogue == kNone || epilogue == kAdd || epilogue == kMul, "unknown epilogue");
+  TORCH_CHECK(epilogue == kNone || (other && other->dim() == 2 && other->size(0) == M &&
+                                    other->size(1) == n && other->stride(1) == 1 &&
+                                    other->scalar_type() == x.scalar_type()),
+              "other must be [M, n] with contiguous rows, in x's dtype");
   auto out = at::empty({M, n}, x.options());
-  if (M == 0 || K == 0) return out.zero_();  // no rows (a step that samples nothing), or no sums
+  if (M == 0) return out;
+  if (K == 0) {  // no sums: the epilogue of zeros
+    out.zero_();
+    if (bias) out.add_(*bias);
+    if (epilogue == kAdd) out.add_(*other);
+    if (epilogue == kMul) out.mul_(*other);
+    return out;
+  }
   const auto xf = x.to(at::kFloat).contiguous();
   if (x.scalar_type() == at::kFloat) {
-    gemm(xf.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), M, K, n, blocks);
+    gemm(xf.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), M, K, n, blocks,
+         finish_of<float>(bias, other, epilogue));
   } else {
     gemm(xf.data_ptr<float>(), packed.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
-         M, K, n, blocks);
+         M, K, n, blocks, finish_of<c10::BFloat16>(bias, other, epilogue));
   }
   return out;
 }
@@ -158,7 +226,9 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
-  m.def("streamed_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def(
+      "streamed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None, Tensor? other=None, "
+      "int epilogue=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(serve_app_cpu, CPU, m) { m.impl("streamed_linear", &streamed_linear); }
