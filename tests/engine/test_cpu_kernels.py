@@ -115,6 +115,22 @@ def test_uses_the_scale_it_is_given(op):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_spread_past_the_float_range_of_exp(op, dtype):
+    """Scores hundreds apart (a peaked softmax, as a random model's last layer gives): most
+    probabilities underflow, and those near the smallest float are flushed to zero rather than
+    multiplied as denormals. The result is still attention's, and the caller's float mode (the
+    thread's denormal handling) is left as it was."""
+    q, k, v, tables, context = _paged(dtype, 3, 4, 2, 64, 16, [40, 3, 100])
+    q = q * 40  # scores spread over several hundred
+    got = op(q, k, v, tables, context, 0.125)
+    want = _reference(q, k, v, tables, context, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    tiny = torch.tensor([1e-38]) / 100  # a denormal, unless the thread flushes them
+    assert tiny.item() != 0
+
+
 def test_bad_inputs_raise_instead_of_reading_out_of_bounds(op):
     q, k, v, tables, context = _paged(torch.float32, 2, 4, 2, 16, 8, [5, 12])
     with pytest.raises(RuntimeError, match="context length"):

@@ -12,6 +12,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace serve_app_cpu {
 
@@ -45,5 +48,27 @@ inline vf vload(const c10::BFloat16* p) {
   return v;
 #endif
 }
+
+// While alive, the calling thread's float arithmetic flushes denormal results to zero and reads
+// denormal inputs as zero (x86's MXCSR FTZ and DAZ bits; elsewhere it does nothing). A softmax
+// whose scores spread over more than ~87 gives probabilities near the smallest normal float, and
+// their products with the values are denormal: x86 computes each of those through a microcode
+// assist, ~100 times slower (measured: one layer's decode attention 3.0 ms instead of 0.3). The
+// terms flushed are below 1.2e-38, far under the rounding of any sum they go into.
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtz | kDaz); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFtz = 0x8000, kDaz = 0x0040;
+  unsigned saved_;
+#else
+  FlushDenormals() {}
+#endif
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
 
 }  // namespace serve_app_cpu

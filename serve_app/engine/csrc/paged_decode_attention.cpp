@@ -32,6 +32,7 @@
 
 namespace {
 
+using serve_app_cpu::FlushDenormals;
 using serve_app_cpu::kLanes;
 using serve_app_cpu::narrow;
 using serve_app_cpu::vf;
@@ -133,6 +134,7 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * dim;  // one cached token of one layer
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;  // this thread's, for its items
     std::vector<float> query(group * dim);
     std::vector<float> scores(group * max_len);
     std::vector<float> acc(group * dim);
@@ -293,6 +295,7 @@ void decode_attention_vec(const T* q, int64_t q_stride, const T* k_cache, const 
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * dim;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;  // this thread's, for its items
     std::vector<Query> query(group);
     std::vector<vf> partial(group * kLanes);
     std::vector<float> scores(group * (max_len + kLanes)), inverse(group);
