@@ -116,3 +116,21 @@ def test_vllm_is_compared_with_the_runs_of_ours_around_it(eb):
     assert ratios["hf_static"]["ratio"] == pytest.approx(2.0)  # measured beside the first run
     del systems["ours_again"]
     assert eb.ratios_ours_over(systems)["vllm"]["ratio"] == pytest.approx(100 / 90)
+
+
+def test_a_bfloat16_roofline_is_the_faster_of_the_two_gemms(eb, tmp_path, monkeypatch):
+    # on a CPU without bfloat16 arithmetic its GEMM is slower than float32's, and a bfloat16
+    # model computed as float32 would read above 100 % of the bfloat16 rate
+    rates = {"bfloat16": 60.0, "float32": 300.0}
+    monkeypatch.setattr(eb, "gemm_gflops", lambda dtype: rates[str(dtype).split(".")[1]])
+    monkeypatch.setattr(eb, "workload_gflop", lambda path, args: 1200.0)
+    bench = make_bench(eb, tmp_path)
+    bench.dtype, bench.device = "bfloat16", None
+    bench.systems["ours"] = {"seconds": 10.0}
+    roof = eb.roofline(bench, tmp_path)
+    assert roof["dtype"] == "float32" and roof["gemm_gflops"] == 300.0
+    assert roof["systems"]["ours"]["fraction"] == pytest.approx(0.4)
+    rates["bfloat16"] = 900.0  # a CPU with bfloat16 arithmetic: its own rate is the roof
+    assert eb.roofline(bench, tmp_path)["dtype"] == "bfloat16"
+    bench.dtype = "float32"
+    assert eb.roofline(bench, tmp_path)["gemm_rates"] == {"float32": 300.0}
