@@ -7,25 +7,25 @@ every forward: measured on this project's 2-core AMD EPYC (AVX-512 with BF16), t
 LM head at batch 32 went from 91 ms to 30 ms in float32 and from 22 ms to 15 ms in bfloat16,
 and at batch 1 from 37 ms to 17 ms (float32) and 11 ms to 7 ms (bfloat16), with 2 threads.
 
-`pack_linears(model)` swaps every `nn.Linear` of a loaded model for a `PackedLinear` holding
+`pack_linears(model)` swaps every `nn.Linear` of a loaded model for `linear()`'s layer, holding
 only the packed weight (the row-major copy is dropped, so memory does not double). Results
 match `nn.Linear` to float32 rounding (the blocked kernel sums in another order; bfloat16 is
 bit-identical here). Used on CPU for float32 and bfloat16 only; other devices and dtypes keep
 their layers.
 
 Where the engine's `streamed_linear` kernel is built (cpu_kernels.py, AVX-512 CPUs), `linear()`
-gives a `StreamedLinear` instead, for the LM head and the fused decoder layers' projections
-(cpu_layers.py) alike, in float32, and in bfloat16 on CPUs without bfloat16 arithmetic (no
-AVX512-BF16 or AMX). A decode step multiplies each weight by only a few dozen rows, and the
-weights together are far larger than the caches (the demo's LM head alone is 311 MB in float32),
-so oneDNN's GEMM waits for each weight about as long as it computes; the streamed kernel overlaps
-the two and adds the bias and a residual or product as it writes. Measured on a 2-core Xeon at
-32 rows: the demo's head 20.6 ms instead of 25.5 in float32; its eight layers' projections
-7.2 ms instead of 8.9 (the prefill of 32 x 128 tokens 636 ms instead of 566: oneDNN's blocking
-is better at many rows, and one packed copy of each weight is kept, not two). In bfloat16 on
-such a CPU oneDNN runs at a quarter of its float32 rate, and the streamed kernel, which widens
-the weights to float32 in registers, runs at its float32 rate: the head 21.6 ms instead of 93.6,
-the offline demo twice as fast.
+gives a `StreamedLinear` instead of a `PackedLinear`, for the LM head, the fused decoder layers'
+projections (cpu_layers.py) and any other Linear alike, in float32, and in bfloat16 on CPUs
+without bfloat16 arithmetic (no AVX512-BF16 or AMX). A decode step multiplies each weight by
+only a few dozen rows, and the weights together are far larger than the caches (the demo's LM
+head alone is 311 MB in float32), so oneDNN's GEMM waits for each weight about as long as it
+computes; the streamed kernel overlaps the two and adds the bias and a residual or product as it
+writes. Measured on a 2-core Xeon at 32 rows: the demo's head 20.6 ms instead of 25.5 in
+float32; its eight layers' projections 7.2 ms instead of 8.9 (the prefill of 32 x 128 tokens
+636 ms instead of 566: oneDNN's blocking is better at many rows, and one packed copy of each
+weight is kept, not two). In bfloat16 on such a CPU oneDNN runs at a quarter of its float32
+rate, and the streamed kernel, which widens the weights to float32 in registers, runs at its
+float32 rate: the head 21.6 ms instead of 93.6, the offline demo twice as fast.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from serve_app.engine.device import cpu_has_fast_bf16
 # The batch size oneDNN picks the blocked layout for; any batch size works with it.
 BATCH_HINT = 32
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-_ADD, _MUL = 1, 2  # streamed_linear's epilogues
+_NONE, _ADD, _MUL = 0, 1, 2  # streamed_linear's epilogues
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -100,7 +100,7 @@ class StreamedLinear(nn.Module):
                 self.packed[whole, :, : n % 32].copy_(weight[whole * 32 :].t())
         self.bias = None if bias is None else bias.detach().contiguous()
 
-    def _apply_kernel(self, x: torch.Tensor, other=None, epilogue=0) -> torch.Tensor:
+    def _apply_kernel(self, x: torch.Tensor, other=None, epilogue=_NONE) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if other is not None:  # the kernel reads rows of other with a stride, columns side by side
             other = other.reshape(rows.shape[0], self.out_features)
@@ -142,14 +142,14 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every `nn.Linear` under `module` by a `PackedLinear`; how many were replaced.
+    """Replace every `nn.Linear` under `module` by `linear()`'s layer; how many were replaced.
 
     A Linear whose weight is shared with another module (a tied LM head) is replaced too: the
     other module keeps the shared tensor."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, linear(child.weight, child.bias))
             count += 1
         else:
             count += pack_linears(child)

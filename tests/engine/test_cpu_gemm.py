@@ -37,6 +37,8 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_output():
         assert cpu_gemm.pack_linears(model) == 2
         got = model(x)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    kind = cpu_gemm.StreamedLinear if cpu_gemm.streams(torch.float32) else cpu_gemm.PackedLinear
+    assert isinstance(model[0], kind) and isinstance(model[2][0], kind)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
 
 
