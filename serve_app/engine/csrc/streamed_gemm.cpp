@@ -165,7 +165,7 @@ std::vector<std::vector<Group>> slice_rows(int64_t M) {
   return slices;
 }
 
-// x: float32 [M, K], contiguous (a bfloat16 x widened first: a few rows, exact). Each thread
+// x: float32 [M, K], contiguous (a bfloat16 x is widened first, exactly). Each thread
 // takes a range of blocks and goes through it once per slice of rows, so a many-row x (a prefill)
 // meets no barrier between slices and each thread's blocks stay in its cache from one slice to
 // the next.
