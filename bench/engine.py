@@ -598,16 +598,19 @@ def print_report(dtype: str, result: dict) -> None:
         print(f"  {key}: skipped: {reason}")
     roof = result["roofline"]
     others = {d: r for d, r in roof.get("gemm_rates", {}).items() if d != roof["dtype"]}
-    slower = "".join(f" (faster than {d}'s {r:.0f})" for d, r in others.items())
-    print(
-        f"  compute roofline: a {roof['gemm_n']}^3 {roof['dtype']} GEMM runs at "
-        f"{roof['gemm_gflops']:.0f} GFLOP/s here{slower}; the workload is "
-        f"{roof['workload_gflop']:.0f} GFLOP, so "
-        + ", ".join(
-            f"{k} reaches {v['gflops']:.0f} GFLOP/s = {100 * v['fraction']:.0f} %"
-            for k, v in roof["systems"].items()
+    beaten = "".join(f" (faster than {d}'s {r:.0f})" for d, r in others.items())
+    if roof["gemm_gflops"] is None:
+        print("  compute roofline: measured on CPU only")
+    else:
+        print(
+            f"  compute roofline: a {roof['gemm_n']}^3 {roof['dtype']} GEMM runs at "
+            f"{roof['gemm_gflops']:.0f} GFLOP/s here{beaten}; the workload is "
+            f"{roof['workload_gflop']:.0f} GFLOP, so "
+            + ", ".join(
+                f"{k} reaches {v['gflops']:.0f} GFLOP/s = {100 * v['fraction']:.0f} %"
+                for k, v in roof["systems"].items()
+            )
         )
-    )
     cb = result["agreement_with_ours"]["hf_cb"]
     verdict = "agree" if all(cb["first_two"]) else "DISAGREE"
     print(f"  sanity: transformers CB vs ours on the first two requests (greedy): {verdict}")

@@ -9,9 +9,9 @@ and at batch 1 from 37 ms to 17 ms (float32) and 11 ms to 7 ms (bfloat16), with 
 
 `pack_linears(model)` swaps every `nn.Linear` of a loaded model for `linear()`'s layer, holding
 only the packed weight (the row-major copy is dropped, so memory does not double). Results
-match `nn.Linear` to float32 rounding (the blocked kernel sums in another order; bfloat16 is
-bit-identical here). Used on CPU for float32 and bfloat16 only; other devices and dtypes keep
-their layers.
+match `nn.Linear` to float32 rounding (the kernels sum in another order; in bfloat16 an output
+may differ from `nn.Linear`'s by one bfloat16 step where its float32 sum is near a tie). Used
+on CPU for float32 and bfloat16 only; other devices and dtypes keep their layers.
 
 Where the engine's `streamed_linear` kernel is built (cpu_kernels.py, AVX-512 CPUs), `linear()`
 gives a `StreamedLinear` instead of a `PackedLinear`, for the LM head, the fused decoder layers'
@@ -29,6 +29,8 @@ float32 rate: the head 21.6 ms instead of 93.6, the offline demo twice as fast.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -98,10 +100,10 @@ class StreamedLinear(nn.Module):
             self.packed[:whole].copy_(weight[: whole * 32].view(whole, 32, k).transpose(1, 2))
             if n % 32:
                 self.packed[whole, :, : n % 32].copy_(weight[whole * 32 :].t())
-        self.bias = None if bias is None else bias.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
 
     def _apply_kernel(self, x: torch.Tensor, other=None, epilogue=_NONE) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x.reshape(math.prod(x.shape[:-1]), self.in_features)  # also when in_features is 0
         if other is not None:  # the kernel reads rows of other with a stride, columns side by side
             other = other.reshape(rows.shape[0], self.out_features)
             other = other if other.stride(-1) == 1 else other.contiguous()
@@ -112,7 +114,8 @@ class StreamedLinear(nn.Module):
         return self._apply_kernel(x)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x @ W^T + b) (the activation in a second, vectorised pass)."""
+        """silu(x @ W^T + b), the activation in a second, vectorised pass (in bfloat16 the
+        product is rounded before it, as transformers' own layer rounds)."""
         return F.silu(self._apply_kernel(x), inplace=True)
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -106,10 +106,10 @@ def test_the_fused_forms_match_their_unfused_ops(kind, dtype, rows):
     if kind is cpu_gemm.StreamedLinear and cpu_kernels.op("streamed_linear") is None:
         pytest.skip("streamed_linear is built for AVX-512 only")
     torch.manual_seed(rows)
-    linear = nn.Linear(64, 72, bias=True).to(dtype)  # 72: a padded block of 32
+    linear = nn.Linear(64, 84, bias=True).to(dtype)  # 84: a last block of 20 (16 + 4) columns
     layer = kind(linear.weight, linear.bias)
     x = torch.randn(rows, 64, dtype=dtype)
-    other = torch.randn(rows, 144, dtype=dtype)[:, 72:]  # rows 144 apart: not contiguous
+    other = torch.randn(rows, 168, dtype=dtype)[:, 84:]  # rows 168 apart: not contiguous
     columns_apart = other.t().contiguous().t()  # each column contiguous instead
     # float32 sums rounded once: what each fused form computes before its one rounding
     exact = x.float() @ linear.weight.float().t() + linear.bias.float()
@@ -140,6 +140,17 @@ def test_the_streamed_epilogue_rounds_once_in_bfloat16():
         total = layer.add(x, other)
     assert (total == 1 + 2.0**-7).all()
     assert ((layer(x) + other) == 1).all()  # the two roundings the epilogue saves
+
+
+@streamed
+def test_no_inputs_still_get_their_bias_and_epilogue():
+    # K = 0: every sum is 0, so the result is the epilogue applied to zeros
+    layer = cpu_gemm.StreamedLinear(torch.zeros(40, 0), torch.arange(40.0))
+    x, other = torch.zeros(3, 0), torch.full((3, 40), 2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.arange(40.0).expand(3, 40))
+        torch.testing.assert_close(layer.add(x, other), torch.arange(40.0) + other)
+        torch.testing.assert_close(layer.mul(x, other), torch.arange(40.0) * other)
 
 
 @streamed

@@ -188,12 +188,12 @@ void gemm(const float* xd, const std::vector<std::vector<Group>>& slices, const 
           const Group g = slice[pass];
           const int64_t start = pass * per_pass;
           const int64_t fetch = ask ? std::max<int64_t>(0, std::min(per_pass, lines - start)) : 0;
-          Finish<T> at = finish;
-          if (at.bias != nullptr) at.bias += b * kCols;
-          if (at.kind != kNone) at.other += g.row0 * at.ld_other + b * kCols;
+          Finish<T> here = finish;  // at the tile's first row and the block's first column
+          if (here.bias != nullptr) here.bias += b * kCols;
+          if (here.kind != kNone) here.other += g.row0 * here.ld_other + b * kCols;
           tile_of(g.rows, std::make_integer_sequence<int64_t, kRows>{}, xd + g.row0 * K, K,
-                  block, od + g.row0 * n + b * kCols, n, cols, at, ahead + start * kLine, fetch,
-                  per_k);
+                  block, od + g.row0 * n + b * kCols, n, cols, here, ahead + start * kLine,
+                  fetch, per_k);
         }
       }
     }
