@@ -27,10 +27,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "elements.h"  // with <immintrin.h> on AVX-512
+
 // measured on AVX-512 only: other CPUs keep oneDNN's GEMM
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -39,18 +39,19 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using serve_app_cpu::kLanes;
+using serve_app_cpu::vload;
+using serve_app_cpu::widen16;
+
 constexpr int64_t kCols = 2 * kLanes;  // weight rows per packed block
 constexpr int64_t kRows = 12;          // 24 of the 32 vector registers hold accumulators
 constexpr int64_t kMaxRows = 48;       // rows multiplied per pass over the weight
 constexpr int64_t kAheadBlocks = 2;    // blocks asked for ahead of their use
 constexpr int64_t kLine = 64;          // bytes per cache line
 
-inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+template <typename T>
+inline __m512 load(const T* p) {  // 16 elements as float32
+  return (__m512)vload(p);
 }
 
 inline __mmask16 first(int64_t count) {
@@ -77,8 +78,7 @@ inline __m512 load(const float* p, int64_t count) {
 }
 
 inline __m512 load(const c10::BFloat16* p, int64_t count) {
-  const __m256i half = _mm256_maskz_loadu_epi16(first(count), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return widen16(_mm256_maskz_loadu_epi16(first(count), p));
 }
 
 // What is applied to a sum before it is stored: + bias[column], then + other[row, column]
