@@ -30,7 +30,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model.set_attn_implementation(self._attention_backend())
         self.lm_head = self._plain_lm_head()
-        self.packed_linears = 0  # CPU: the decoder's Linears prepacked for oneDNN, and the head's
+        self.packed_linears = 0  # CPU: the decoder's other Linears and the head (cpu_gemm.linear)
         self.fused_layers = 0  # CPU: decoder layers computed by cpu_layers.FusedDecoderLayer
         self.decode_kernel = None  # CPU: decode attention reading the paged cache in place
         if cpu_gemm.supported(self.device, self.dtype):
