@@ -30,6 +30,7 @@ float32 rate: the head 21.6 ms instead of 93.6, the offline demo twice as fast.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,13 +47,27 @@ _NONE, _ADD, _MUL = 0, 1, 2  # streamed_linear's epilogues
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether prepacked linears apply: CPU, float32 or bfloat16, a torch built with oneDNN."""
+    """Whether `linear()` has a layer for this device and dtype: CPU, float32 or bfloat16, where
+    oneDNN can prepack the dtype or the streamed kernel takes it."""
     return (
-        device.type == "cpu"
-        and dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        device.type == "cpu" and dtype in PACKED_DTYPES and (onednn_packs(dtype) or streams(dtype))
     )
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN prepacks weights of this dtype on this CPU: its bfloat16
+    path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and torch refuses it elsewhere (an AMD
+    EPYC of the Zen 3 generation, say, has AVX2 only)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

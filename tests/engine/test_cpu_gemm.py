@@ -12,9 +12,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def needs_onednn(dtype):
+    if not cpu_gemm.onednn_packs(dtype):
+        pytest.skip(f"this CPU's oneDNN does not prepack {dtype} (no AVX-512 or AVX-NE-CONVERT)")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 64), (1, 33, 64), (300, 64)])
 def test_packed_linear_matches_nn_linear(dtype, shape):
+    needs_onednn(dtype)
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=True).to(dtype)
     packed = cpu_gemm.PackedLinear(linear.weight, linear.bias)
@@ -49,7 +55,8 @@ def test_only_cpu_float32_and_bfloat16_are_packed():
 
 
 streamed = pytest.mark.skipif(
-    cpu_kernels.op("streamed_linear") is None, reason="streamed_linear is built for AVX-512 only"
+    cpu_kernels.op("streamed_linear") is None,
+    reason="streamed_linear is built for AVX-512 and AVX2 only",
 )
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -104,7 +111,9 @@ def test_streamed_linear_reads_strided_rows():
 @pytest.mark.parametrize("rows", [1, 13, 100])  # one tile, two, several slices of rows
 def test_the_fused_forms_match_their_unfused_ops(kind, dtype, rows):
     if kind is cpu_gemm.StreamedLinear and cpu_kernels.op("streamed_linear") is None:
-        pytest.skip("streamed_linear is built for AVX-512 only")
+        pytest.skip("streamed_linear is built for AVX-512 and AVX2 only")
+    if kind is cpu_gemm.PackedLinear:
+        needs_onednn(dtype)
     torch.manual_seed(rows)
     linear = nn.Linear(64, 84, bias=True).to(dtype)  # 84: a last block of 20 (16 + 4) columns
     layer = kind(linear.weight, linear.bias)
@@ -190,3 +199,20 @@ def test_the_engine_packs_its_linears_on_cpu():
         for part in ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             assert isinstance(getattr(layer, part), kind), (name, part)
         assert not any(isinstance(m, nn.Linear) for m in runner.model.get_decoder().modules())
+
+
+def test_bfloat16_runs_where_neither_onednn_nor_the_kernel_takes_it(monkeypatch):
+    # a CPU without AVX-512 (oneDNN refuses to prepack bfloat16 there) and without the compiled
+    # kernel (no C++ compiler): the engine keeps transformers' own layers instead of failing
+    from serve_app.engine.llm import LLM
+    from serve_app.engine.params import SamplingParams
+
+    monkeypatch.setattr(cpu_gemm, "onednn_packs", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(cpu_gemm, "streams", lambda dtype: False)
+    assert cpu_gemm.supported(torch.device("cpu"), torch.float32)
+    assert not cpu_gemm.supported(torch.device("cpu"), torch.bfloat16)
+    llm = LLM("demo-tiny", dtype="bfloat16", num_kv_blocks=8)
+    runner = llm.engine.runner
+    assert runner.fused_layers == 0 and runner.packed_linears == 0
+    [out] = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4

@@ -55,6 +55,7 @@ SHAPES = [
     (4, 4, 32, 16, [5, 16, 17, 64]),  # no grouping
     (14, 2, 64, 16, [33, 1, 48]),  # Qwen2-style groups of 7
     (8, 2, 128, 16, [40, 3, 16]),  # Llama-style head size
+    (4, 2, 256, 16, [9, 33]),  # the widest vectorised head size
     (8, 2, 80, 32, [7, 100]),  # a head size without a vectorised path
 ]
 

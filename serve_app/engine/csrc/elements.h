@@ -1,7 +1,10 @@
 // float32 and bfloat16 elements as float32 values, shared by the engine's CPU kernels: one at a
 // time (widen reads an element as a float, exactly: bfloat16 is the high half of a float32;
-// narrow stores a float, rounded to nearest-even for bfloat16) or 16 at a time (vf: GCC/Clang
-// vector extensions, one AVX-512 register here, two AVX2 or four NEON registers elsewhere).
+// narrow stores a float, rounded to nearest-even for bfloat16) or kLanes at a time (vf: GCC/Clang
+// vector extensions): 16, one register, with AVX-512; 8, one register, with AVX2, since GCC
+// compiles comparisons, selects and scalar-times-vector products of vectors wider than the CPU's
+// registers one lane at a time through memory (measured on an AMD EPYC without AVX-512: decode
+// attention ~4x and the argmax ~10x slower with 16 lanes); 16 elsewhere (four NEON registers).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -23,10 +26,14 @@ inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 inline void narrow(float* p, float x) { *p = x; }
 inline void narrow(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kLanes = 8;
+#else
 constexpr int64_t kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+#endif
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vh __attribute__((vector_size(kLanes * 2)));
 
 inline vf vload(const float* p) {
   vf v;

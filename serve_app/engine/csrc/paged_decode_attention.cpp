@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -178,26 +179,33 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v
   });
 }
 
-// a[i] + a[i + k] folded pairwise from two vectors, by the lane masks lo and hi
-inline vf fold(vf a, vf b, vi lo, vi hi) {
+// Lane i of the result: the sum of the i-th pair of lanes H apart in a followed by b (a's pairs,
+// then b's); I are the lanes 0 .. kLanes - 1.
+template <int64_t H, std::size_t... I>
+inline vf fold(vf a, vf b, std::index_sequence<I...>) {
+  constexpr vi lo = {static_cast<int32_t>(I / H * 2 * H + I % H)...};
+  constexpr vi hi = {static_cast<int32_t>(I / H * 2 * H + I % H + H)...};
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
 
-// sum(v[i]) for 16 vectors at once, lane i of the result: 15 folds instead of 16 reductions
-inline vf sum16(const vf* v) {
-  const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vi hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const vi hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const vi hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const vi hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  vf a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) a[i] = fold(v[2 * i], v[2 * i + 1], lo1, hi1);
-  for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], lo2, hi2);
-  for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], lo3, hi3);
-  return fold(c[0], c[1], lo4, hi4);
+// 2H vectors folded into one, level by level
+template <int64_t H>
+inline vf fold_all(vf* a) {
+  for (int64_t i = 0; i < H; ++i)
+    a[i] = fold<H>(a[2 * i], a[2 * i + 1], std::make_index_sequence<kLanes>{});
+  if constexpr (H == 1) {
+    return a[0];
+  } else {
+    return fold_all<H / 2>(a);
+  }
+}
+
+// sum(v[i]) for kLanes vectors at once, lane i of the result: kLanes - 1 folds instead of
+// kLanes reductions
+inline vf sum_lanes(const vf* v) {
+  vf a[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) a[i] = v[i];
+  return fold_all<kLanes / 2>(a);
 }
 
 // One key row of a query head's dot products, as 16 lanes of partial sums (sum16 finishes them).
@@ -332,7 +340,7 @@ void decode_attention_vec(const T* q, int64_t q_stride, const T* k_cache, const 
             for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = query[g].dot(key);
           }
           for (int64_t g = 0; g < group; ++g) {
-            vf sums = sum16(partial.data() + g * kLanes);
+            vf sums = sum_lanes(partial.data() + g * kLanes);
             if constexpr (Query::kScaledAfter) sums *= scale;
             std::memcpy(scores.data() + g * stride + first + chunk, &sums, sizeof(sums));
           }
@@ -383,9 +391,9 @@ void dispatch_head_dim(const T* q, int64_t q_stride, const T* k_cache, const T* 
            block_size, table_width, max_len, scale);
   };
   switch (head_dim) {
-    case 64: return run_vec(decode_attention_vec<T, 4>);
-    case 128: return run_vec(decode_attention_vec<T, 8>);
-    case 256: return run_vec(decode_attention_vec<T, 16>);
+    case 64: return run_vec(decode_attention_vec<T, 64 / kLanes>);
+    case 128: return run_vec(decode_attention_vec<T, 128 / kLanes>);
+    case 256: return run_vec(decode_attention_vec<T, 256 / kLanes>);
     default: return run(decode_attention<T>);
   }
 }

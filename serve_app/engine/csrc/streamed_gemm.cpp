@@ -27,43 +27,64 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "elements.h"  // with <immintrin.h> on AVX-512
+#include "elements.h"
 
-// measured on AVX-512 only: other CPUs keep oneDNN's GEMM
+// Built where it was measured: AVX-512 (Intel Xeon) and AVX2 with FMA (AMD EPYC without AVX-512);
+// other CPUs keep oneDNN's GEMM.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SERVE_APP_STREAMED_GEMM 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SERVE_APP_STREAMED_GEMM 256
+#endif
+
+#if defined(SERVE_APP_STREAMED_GEMM)
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
 namespace {
 
-using serve_app_cpu::kLanes;
-using serve_app_cpu::vload;
-using serve_app_cpu::widen16;
+constexpr int64_t kCols = 32;        // weight rows per packed block (cpu_gemm.StreamedLinear)
+constexpr int64_t kMaxRows = 48;     // rows multiplied per pass over the weight
+constexpr int64_t kAheadBlocks = 2;  // blocks asked for ahead of their use
+constexpr int64_t kLine = 64;        // bytes per cache line
 
-constexpr int64_t kCols = 2 * kLanes;  // weight rows per packed block
-constexpr int64_t kRows = 12;          // 24 of the 32 vector registers hold accumulators
-constexpr int64_t kMaxRows = 48;       // rows multiplied per pass over the weight
-constexpr int64_t kAheadBlocks = 2;    // blocks asked for ahead of their use
-constexpr int64_t kLine = 64;          // bytes per cache line
+// The vector operations a register tile needs, on `kWidth` floats at a time. A tile is up to
+// `kRows` rows x two vectors of columns; `load`/`store` with a count touch only the first
+// `count` lanes (a last block's columns past n).
+#if SERVE_APP_STREAMED_GEMM == 512
+// AVX-512: two vectors are a whole block of 32 columns; 24 of the 32 vector registers hold
+// accumulators.
+using Vec = __m512;
+constexpr int64_t kWidth = 16;
+constexpr int64_t kRows = 12;
+
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec splat(float v) { return _mm512_set1_ps(v); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 
 template <typename T>
-inline __m512 load(const T* p) {  // 16 elements as float32
-  return (__m512)vload(p);
+inline Vec load(const T* p) {  // 16 elements as float32
+  return (Vec)serve_app_cpu::vload(p);
 }
 
 inline __mmask16 first(int64_t count) {
-  return count >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+  return count >= kWidth ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
 }
 
-inline void store(float* out, __m512 v, int64_t count) {
+inline void store(float* out, Vec v, int64_t count) {
   _mm512_mask_storeu_ps(out, first(count), v);
 }
 
 // rounded to nearest-even as c10::BFloat16 rounds (a NaN becomes its quiet NaN)
-inline void store(c10::BFloat16* out, __m512 v, int64_t count) {
+inline void store(c10::BFloat16* out, Vec v, int64_t count) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
@@ -73,13 +94,81 @@ inline void store(c10::BFloat16* out, __m512 v, int64_t count) {
   _mm256_mask_storeu_epi16(out, first(count), _mm512_cvtepi32_epi16(rounded));
 }
 
-inline __m512 load(const float* p, int64_t count) {
+inline Vec load(const float* p, int64_t count) {
   return _mm512_maskz_loadu_ps(first(count), p);
 }
 
-inline __m512 load(const c10::BFloat16* p, int64_t count) {
-  return widen16(_mm256_maskz_loadu_epi16(first(count), p));
+inline Vec load(const c10::BFloat16* p, int64_t count) {
+  return serve_app_cpu::widen16(_mm256_maskz_loadu_epi16(first(count), p));
 }
+#else
+// AVX2: two vectors are half a block (16 columns), so a block takes two tiles side by side;
+// 12 of the 16 vector registers hold accumulators, two the weights, one the row's element.
+using Vec = __m256;
+constexpr int64_t kWidth = 8;
+constexpr int64_t kRows = 6;
+
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec splat(float v) { return _mm256_set1_ps(v); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+
+// 8 bfloat16 bit patterns as the float32 values they are (each the high half of its float)
+inline Vec widen8(__m128i half) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const c10::BFloat16* p) {
+  return widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i first(int64_t count) {  // all bits set in the first `count` lanes
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min(count, kWidth))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline void store(float* out, Vec v, int64_t count) {
+  if (count >= kWidth) {
+    _mm256_storeu_ps(out, v);
+  } else {
+    _mm256_maskstore_ps(out, first(count), v);
+  }
+}
+
+// rounded to nearest-even as c10::BFloat16 rounds (a NaN becomes its quiet NaN)
+inline void store(c10::BFloat16* out, Vec v, int64_t count) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  rounded = _mm256_srli_epi32(rounded, 16);
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0),
+                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // each lane's bits are now at most 0xFFFF, which unsigned saturation keeps as they are
+  const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
+                                          _mm256_extracti128_si256(rounded, 1));
+  if (count >= kWidth) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), halves);
+  } else {
+    std::memcpy(out, &halves, std::max<int64_t>(count, 0) * sizeof(c10::BFloat16));
+  }
+}
+
+inline Vec load(const float* p, int64_t count) {
+  return count >= kWidth ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(count));
+}
+
+inline Vec load(const c10::BFloat16* p, int64_t count) {
+  if (count >= kWidth) return load(p);
+  __m128i part = _mm_setzero_si128();
+  std::memcpy(&part, p, std::max<int64_t>(count, 0) * sizeof(c10::BFloat16));
+  return widen8(part);
+}
+#endif
+
+constexpr int64_t kTileCols = 2 * kWidth;            // columns of a register tile
+constexpr int64_t kTilesPerBlock = kCols / kTileCols;  // tiles side by side in a block
 
 // What is applied to a sum before it is stored: + bias[column], then + other[row, column]
 // (kAdd) or * other[row, column] (kMul), all in float32 before the one rounding.
@@ -87,46 +176,47 @@ enum Epilogue : int64_t { kNone = 0, kAdd = 1, kMul = 2 };
 
 template <typename T>
 struct Finish {
-  const T* bias;   // [n] or null, at the block's first column
+  const T* bias;   // [n] or null, at the tile's first column
   const T* other;  // [M, n] rows with stride ld_other, at the tile's first row and column
   int64_t ld_other;
   Epilogue kind;
 
-  __m512 apply(__m512 v, int64_t r, int64_t col, int64_t count) const {
-    if (bias != nullptr) v = _mm512_add_ps(v, load(bias + col, count));
+  Vec apply(Vec v, int64_t r, int64_t col, int64_t count) const {
+    if (bias != nullptr) v = add(v, load(bias + col, count));
     if (kind == kNone) return v;
-    const __m512 o = load(other + r * ld_other + col, count);
-    return kind == kAdd ? _mm512_add_ps(v, o) : _mm512_mul_ps(v, o);
+    const Vec o = load(other + r * ld_other + col, count);
+    return kind == kAdd ? add(v, o) : mul(v, o);
   }
 };
 
-// out[r, :cols] = x[r, :] @ block for R rows (x: rows K apart), finished; while multiplying,
-// `fetch` lines from `ahead` (consecutive, `per_k` for each k) are asked into L2.
+// out[r, :cols] = x[r, :] @ block[:, :cols] for R rows (x: rows K apart; block: the tile's first
+// column of a packed block, rows kCols apart), finished; while multiplying, `fetch` lines from
+// `ahead` (consecutive, `per_k` for each k) are asked into L2.
 template <int64_t R, typename T>
 void tile(const float* x, int64_t K, const T* block, T* out, int64_t ldo, int64_t cols,
           const Finish<T>& finish, const char* ahead, int64_t fetch, int64_t per_k) {
-  __m512 acc[R][2];
-  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  Vec acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = load(block + k * kCols);
-    const __m512 w1 = load(block + k * kCols + kLanes);
+    const Vec w0 = load(block + k * kCols);
+    const Vec w1 = load(block + k * kCols + kWidth);
     if (k * per_k < fetch) {
       for (int64_t j = 0; j < per_k; ++j) __builtin_prefetch(ahead + (k * per_k + j) * kLine, 0, 2);
     }
     for (int64_t r = 0; r < R; ++r) {
       // row r as row 3 * (r / 3) plus 0, 1 or 2 rows: GCC then keeps the loop's addresses out
-      // of the FMA ports (written x[r * K + k], 2-6 % slower here: row addresses moved between
-      // vector and general registers on port 0 in every iteration)
-      const __m512 a = _mm512_set1_ps(x[(r / 3) * 3 * K + k + (r % 3) * K]);
-      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      // of the FMA ports (written x[r * K + k], 2-6 % slower on AVX-512: row addresses moved
+      // between vector and general registers on port 0 in every iteration)
+      const Vec a = splat(x[(r / 3) * 3 * K + k + (r % 3) * K]);
+      acc[r][0] = fmadd(a, w0, acc[r][0]);
+      acc[r][1] = fmadd(a, w1, acc[r][1]);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
     store(out + r * ldo, finish.apply(acc[r][0], r, 0, cols), cols);
-    if (cols > kLanes) {
-      store(out + r * ldo + kLanes, finish.apply(acc[r][1], r, kLanes, cols - kLanes),
-            cols - kLanes);
+    if (cols > kWidth) {
+      store(out + r * ldo + kWidth, finish.apply(acc[r][1], r, kWidth, cols - kWidth),
+            cols - kWidth);
     }
   }
 }
@@ -168,7 +258,8 @@ std::vector<std::vector<Group>> slice_rows(int64_t M) {
 // x: float32 [M, K], contiguous (a bfloat16 x is widened first, exactly). Each thread
 // takes a range of blocks and goes through it once per slice of rows, so a many-row x (a prefill)
 // meets no barrier between slices and each thread's blocks stay in its cache from one slice to
-// the next.
+// the next. A block is multiplied by one register tile per group of rows and per kTileCols of its
+// columns (one on AVX-512; on AVX2 its left half for every group, then its right half).
 template <typename T>
 void gemm(const float* xd, const std::vector<std::vector<Group>>& slices, const T* wd, T* od,
           int64_t K, int64_t n, int64_t blocks, Finish<T> finish) {
@@ -176,7 +267,8 @@ void gemm(const float* xd, const std::vector<std::vector<Group>>& slices, const 
   const int64_t lines = block_size * static_cast<int64_t>(sizeof(T)) / kLine;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (const auto& slice : slices) {
-      const int64_t passes = static_cast<int64_t>(slice.size());
+      const int64_t groups = static_cast<int64_t>(slice.size());
+      const int64_t passes = groups * kTilesPerBlock;
       const int64_t per_pass = (lines + passes - 1) / passes;  // lines asked for by each tile
       const int64_t per_k = K ? (per_pass + K - 1) / K : 0;
       for (int64_t b = begin; b < end; ++b) {
@@ -184,16 +276,21 @@ void gemm(const float* xd, const std::vector<std::vector<Group>>& slices, const 
         const int64_t cols = std::min(kCols, n - b * kCols);
         const bool ask = b + kAheadBlocks < end;  // the blocks past `end` are another thread's
         const char* ahead = reinterpret_cast<const char*>(block + kAheadBlocks * block_size);
-        for (int64_t pass = 0; pass < static_cast<int64_t>(slice.size()); ++pass) {
-          const Group g = slice[pass];
-          const int64_t start = pass * per_pass;
-          const int64_t fetch = ask ? std::max<int64_t>(0, std::min(per_pass, lines - start)) : 0;
-          Finish<T> here = finish;  // at the tile's first row and the block's first column
-          if (here.bias != nullptr) here.bias += b * kCols;
-          if (here.kind != kNone) here.other += g.row0 * here.ld_other + b * kCols;
-          tile_of(g.rows, std::make_integer_sequence<int64_t, kRows>{}, xd + g.row0 * K, K,
-                  block, od + g.row0 * n + b * kCols, n, cols, here, ahead + start * kLine,
-                  fetch, per_k);
+        for (int64_t t = 0; t < kTilesPerBlock; ++t) {
+          const int64_t col0 = t * kTileCols;  // the tiles' first column in the block
+          if (col0 >= cols) break;  // a last block's right half may hold no column
+          for (int64_t i = 0; i < groups; ++i) {
+            const Group g = slice[i];
+            const int64_t start = (t * groups + i) * per_pass;
+            const int64_t fetch =
+                ask ? std::max<int64_t>(0, std::min(per_pass, lines - start)) : 0;
+            Finish<T> here = finish;  // at the tile's first row and column
+            if (here.bias != nullptr) here.bias += b * kCols + col0;
+            if (here.kind != kNone) here.other += g.row0 * here.ld_other + b * kCols + col0;
+            tile_of(g.rows, std::make_integer_sequence<int64_t, kRows>{}, xd + g.row0 * K, K,
+                    block + col0, od + g.row0 * n + b * kCols + col0, n, cols - col0, here,
+                    ahead + start * kLine, fetch, per_k);
+          }
         }
       }
     }
