@@ -59,6 +59,8 @@ from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
 from serve_app.models.loader import load_model, resolve_model_path  # noqa: E402
 
 WARMUP_TOKENS = 4  # output tokens of every warm-up run
+GEMM_N = 2048  # the roofline's square matmul, smaller where torch is too slow in the dtype
+GEMM_SECONDS = 20.0  # at most this long for it
 WARMUP_SEED_OFFSET = 1_000_000  # the warm-up's prompts come from seed + this
 
 # (system key, label, target ratio ours/system or None, target text)
@@ -281,6 +283,7 @@ class DtypeBench:
     systems: dict[str, dict] = field(default_factory=dict)
     tokens: dict[str, list[list[int]]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
+    gemm: dict[str, tuple[float, int]] | None = None  # gemm_rates, once measured
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -447,8 +450,18 @@ def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
     bench.record("vllm", "vLLM-CPU", result["seconds"], result["tokens"], note)
 
 
-def gemm_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
-    """This machine's compute roofline as the bench measures it: an n^3 matmul's GFLOP/s."""
+def gemm_gflops(dtype: torch.dtype, n: int = GEMM_N, reps: int = 10) -> tuple[float, int]:
+    """This machine's compute roofline as the bench measures it: an n^3 matmul's GFLOP/s, and
+    the n it was measured at. Where torch has no fast kernel for the dtype (bfloat16 on a CPU
+    without AVX-512: ~0.3 GFLOP/s, hours for a 2048^3 product) a smaller n is taken, the largest
+    whose products fit in GEMM_SECONDS by a first timing at 256."""
+    rate = _matmul_rate(dtype, 256, 1)
+    while n > 256 and 2 * n**3 * (reps + 3) / (rate * 1e9) > GEMM_SECONDS:
+        n //= 2
+    return _matmul_rate(dtype, n, reps), n
+
+
+def _matmul_rate(dtype: torch.dtype, n: int, reps: int) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(3):
         a @ b
@@ -473,14 +486,22 @@ def workload_gflop(model_path: Path, args) -> float:
     return args.requests * per_request / 1e9
 
 
+def gemm_rates(bench: DtypeBench) -> dict[str, tuple[float, int]]:
+    """torch's GEMM rate and size (gemm_gflops) in the run's dtype, and for bfloat16 in float32
+    too; measured once per dtype's run, on CPU only."""
+    if bench.gemm is None:
+        on_cpu = bench.device is None or bench.device.type == "cpu"
+        dtypes = [bench.dtype, *(["float32"] if bench.dtype == "bfloat16" else [])]
+        bench.gemm = {d: gemm_gflops(getattr(torch, d)) for d in dtypes} if on_cpu else {}
+    return bench.gemm
+
+
 def roofline(bench: DtypeBench, model_path: Path) -> dict:
     """The workload's GFLOP/s per system as a fraction of the machine's GEMM rate. A bfloat16
     model's roof is the faster of the bfloat16 and float32 GEMMs: on a CPU without bfloat16
     arithmetic, bfloat16 weights are fastest multiplied as float32 (what our kernels do)."""
-    on_cpu = bench.device is None or bench.device.type == "cpu"
-    rates = {bench.dtype: gemm_gflops(getattr(torch, bench.dtype))} if on_cpu else {}
-    if on_cpu and bench.dtype == "bfloat16":
-        rates["float32"] = gemm_gflops(torch.float32)
+    measured = gemm_rates(bench)
+    rates = {d: rate for d, (rate, _n) in measured.items()}
     roof_dtype = max(rates, key=rates.get) if rates else bench.dtype
     peak = rates.get(roof_dtype)
     work = workload_gflop(model_path, bench.args)
@@ -489,8 +510,26 @@ def roofline(bench: DtypeBench, model_path: Path) -> dict:
         if key in bench.systems and peak:
             gflops = work / bench.systems[key]["seconds"]
             systems[key] = {"gflops": gflops, "fraction": gflops / peak}
-    return {"dtype": roof_dtype, "gemm_n": 2048, "gemm_gflops": peak, "gemm_rates": rates,
+    n = measured[roof_dtype][1] if peak else GEMM_N
+    return {"dtype": roof_dtype, "gemm_n": n, "gemm_gflops": peak, "gemm_rates": rates,
             "workload_gflop": work, "systems": systems}  # fmt: skip
+
+
+def transformers_too_slow(bench: DtypeBench, model_path: Path) -> str:
+    """Why the transformers systems are skipped in this dtype, or "": at torch's own GEMM rate
+    in the dtype, the static batch alone (the fastest of them) would take longer than
+    --hf-budget seconds. Torch's bfloat16 GEMM on a CPU without AVX-512 runs at ~0.3 GFLOP/s."""
+    rate = gemm_rates(bench).get(bench.dtype, (None, 0))[0]
+    if not rate:
+        return ""
+    seconds = workload_gflop(model_path, bench.args) / rate
+    if seconds <= bench.args.hf_budget:
+        return ""
+    return (
+        f"torch's {bench.dtype} GEMM runs at {rate:.1f} GFLOP/s on this CPU, so each "
+        f"transformers system would take ~{seconds / 60:.0f} min (--hf-budget "
+        f"{bench.args.hf_budget:.0f} s)"
+    )
 
 
 def check_output_tokens(bench: DtypeBench) -> None:
@@ -531,10 +570,12 @@ def batch1_latency(requests: int, ours_gaps: list[float], hf_gaps: list[float]) 
         "requests": requests,
         "ours_p50_ms": 1e3 * statistics.median(ours_gaps),
         "ours_p90_ms": 1e3 * percentile(ours_gaps, 0.9),
-        "hf_generate_p50_ms": 1e3 * statistics.median(hf_gaps),
-        "hf_generate_p90_ms": 1e3 * percentile(hf_gaps, 0.9),
+        "hf_generate_p50_ms": 1e3 * statistics.median(hf_gaps) if hf_gaps else None,
+        "hf_generate_p90_ms": 1e3 * percentile(hf_gaps, 0.9) if hf_gaps else None,
+        "ratio_hf_over_ours": None,
     }
-    latency["ratio_hf_over_ours"] = latency["hf_generate_p50_ms"] / latency["ours_p50_ms"]
+    if hf_gaps:
+        latency["ratio_hf_over_ours"] = latency["hf_generate_p50_ms"] / latency["ours_p50_ms"]
     return latency
 
 
@@ -545,18 +586,25 @@ def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -
         measure_vllm(bench, model_path)
         if "vllm" in bench.systems:
             measure_ours_again(bench)
-    attn, config, hf_gaps = measure_hf(bench, model_path)
+    attn, cb_config, hf_gaps = None, None, []
+    too_slow = transformers_too_slow(bench, model_path)
+    if too_slow:
+        bench.skipped["transformers"] = too_slow
+        bench.log(f"transformers: skipped: {too_slow}")
+    else:
+        attn, config, hf_gaps = measure_hf(bench, model_path)
+        cb_config = {
+            "page_size": config.page_size,
+            "num_blocks": config.num_blocks,
+            "max_batch_tokens": config.max_batch_tokens,
+            "max_requests_per_batch": config.max_requests_per_batch,
+        }
     check_output_tokens(bench)
     tokens = bench.tokens
     return {
         "device": str(bench.device),
         "ours_config": ours_config,
-        "hf_cb_config": {
-            "page_size": config.page_size,
-            "num_blocks": config.num_blocks,
-            "max_batch_tokens": config.max_batch_tokens,
-            "max_requests_per_batch": config.max_requests_per_batch,
-        },
+        "hf_cb_config": cb_config,
         "hf_attn_implementation": attn,
         "systems": bench.systems,
         "ratios_ours_over": ratios_ours_over(bench.systems),
@@ -598,7 +646,7 @@ def print_report(dtype: str, result: dict) -> None:
         print(f"  {key}: skipped: {reason}")
     roof = result["roofline"]
     others = {d: r for d, r in roof.get("gemm_rates", {}).items() if d != roof["dtype"]}
-    beaten = "".join(f" (faster than {d}'s {r:.0f})" for d, r in others.items())
+    beaten = "".join(f" (faster than {d}'s {r:.3g})" for d, r in others.items())
     if roof["gemm_gflops"] is None:
         print("  compute roofline: measured on CPU only")
     else:
@@ -611,15 +659,20 @@ def print_report(dtype: str, result: dict) -> None:
                 for k, v in roof["systems"].items()
             )
         )
-    cb = result["agreement_with_ours"]["hf_cb"]
-    verdict = "agree" if all(cb["first_two"]) else "DISAGREE"
-    print(f"  sanity: transformers CB vs ours on the first two requests (greedy): {verdict}")
+    cb = result["agreement_with_ours"].get("hf_cb")
+    if cb is not None:
+        verdict = "agree" if all(cb["first_two"]) else "DISAGREE"
+        print(f"  sanity: transformers CB vs ours on the first two requests (greedy): {verdict}")
     lat = result["batch1_decode_latency"]
+    hf = ""
+    if lat["hf_generate_p50_ms"] is not None:
+        hf = (
+            f", transformers generate {lat['hf_generate_p50_ms']:.2f} ms"
+            f" (generate/ours = {lat['ratio_hf_over_ours']:.2f}x)"
+        )
     print(
         f"  batch-1 decode p50 per output token ({lat['requests']} requests): "
-        f"ours {lat['ours_p50_ms']:.2f} ms, "
-        f"transformers generate {lat['hf_generate_p50_ms']:.2f} ms"
-        f" (generate/ours = {lat['ratio_hf_over_ours']:.2f}x)"
+        f"ours {lat['ours_p50_ms']:.2f} ms{hf}"
     )
 
 
@@ -688,6 +741,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--peer-timeout", type=float, default=1800.0, help="seconds the vLLM run may take"
+    )
+    parser.add_argument(
+        "--hf-budget",
+        type=float,
+        default=900.0,
+        help="skip the transformers systems in a dtype where, at torch's own GEMM rate, each "
+        "would take longer than this many seconds (bfloat16 on CPUs without AVX-512)",
     )
     parser.add_argument(
         "--out",

@@ -122,7 +122,7 @@ def test_a_bfloat16_roofline_is_the_faster_of_the_two_gemms(eb, tmp_path, monkey
     # on a CPU without bfloat16 arithmetic its GEMM is slower than float32's, and a bfloat16
     # model computed as float32 would read above 100 % of the bfloat16 rate
     rates = {"bfloat16": 60.0, "float32": 300.0}
-    monkeypatch.setattr(eb, "gemm_gflops", lambda dtype: rates[str(dtype).split(".")[1]])
+    monkeypatch.setattr(eb, "gemm_gflops", lambda dtype: (rates[str(dtype).split(".")[1]], 2048))
     monkeypatch.setattr(eb, "workload_gflop", lambda path, args: 1200.0)
     bench = make_bench(eb, tmp_path)
     bench.dtype, bench.device = "bfloat16", None
@@ -131,6 +131,47 @@ def test_a_bfloat16_roofline_is_the_faster_of_the_two_gemms(eb, tmp_path, monkey
     assert roof["dtype"] == "float32" and roof["gemm_gflops"] == 300.0
     assert roof["systems"]["ours"]["fraction"] == pytest.approx(0.4)
     rates["bfloat16"] = 900.0  # a CPU with bfloat16 arithmetic: its own rate is the roof
+    bench.gemm = None  # measured once per dtype's run: this is another run
     assert eb.roofline(bench, tmp_path)["dtype"] == "bfloat16"
-    bench.dtype = "float32"
+    bench.dtype, bench.gemm = "float32", None
     assert eb.roofline(bench, tmp_path)["gemm_rates"] == {"float32": 300.0}
+
+
+def test_a_gemm_torch_has_no_fast_kernel_for_is_timed_smaller(eb, monkeypatch):
+    # torch's bfloat16 GEMM on a CPU without AVX-512: ~0.3 GFLOP/s, a 2048^3 product ~1 min
+    sizes = []
+
+    def rate(dtype, n, reps):
+        sizes.append(n)
+        return 0.3 if dtype == eb.torch.bfloat16 else 150.0
+
+    monkeypatch.setattr(eb, "_matmul_rate", rate)
+    assert eb.gemm_gflops(eb.torch.float32) == (150.0, 2048)
+    gflops, n = eb.gemm_gflops(eb.torch.bfloat16)
+    assert gflops == 0.3 and n == 512  # 13 products of 1024^3 would take ~93 s, of 512^3 ~12
+    assert sizes == [256, 2048, 256, 512]
+
+
+def test_transformers_are_skipped_where_torch_would_take_hours(eb, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(eb, "workload_gflop", lambda path, args: 1000.0)
+    rates = {"bfloat16": (0.3, 256), "float32": (150.0, 2048)}
+    monkeypatch.setattr(eb, "gemm_gflops", lambda dtype: rates[str(dtype).split(".")[1]])
+    bench = make_bench(eb, tmp_path)
+    bench.args.hf_budget = 900.0
+    assert eb.transformers_too_slow(bench, tmp_path) == ""  # float32: ~7 s
+    bench.dtype, bench.gemm = "bfloat16", None
+    reason = eb.transformers_too_slow(bench, tmp_path)
+    assert "0.3 GFLOP/s" in reason and "~56 min" in reason
+    # the report of a run without them: ours' latency alone, the reason, no sanity line
+    bench.systems["ours"] = {"tokens_per_s": 300.0, "seconds": 3.0}
+    result = {
+        "device": "cpu", "systems": bench.systems, "ratios_ours_over": {},
+        "agreement_with_ours": {}, "peers_skipped": {"transformers": reason},
+        "roofline": eb.roofline(bench, tmp_path),
+        "batch1_decode_latency": eb.batch1_latency(2, [0.02, 0.03], []),
+    }  # fmt: skip
+    eb.print_report("bfloat16", result)
+    out = capsys.readouterr().out
+    assert "transformers: skipped: torch's bfloat16 GEMM runs at 0.3 GFLOP/s" in out
+    assert "ours 25.00 ms" in out and "transformers generate" not in out
+    assert "a 2048^3 float32 GEMM runs at 150 GFLOP/s here (faster than bfloat16's 0.3)" in out
