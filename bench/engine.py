@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
@@ -451,10 +452,11 @@ def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
 
 
 def gemm_gflops(dtype: torch.dtype, n: int = GEMM_N, reps: int = 10) -> tuple[float, int]:
-    """This machine's compute roofline as the bench measures it: an n^3 matmul's GFLOP/s, and
-    the n it was measured at. Where torch has no fast kernel for the dtype (bfloat16 on a CPU
-    without AVX-512: ~0.3 GFLOP/s, hours for a 2048^3 product) a smaller n is taken, the largest
-    whose products fit in GEMM_SECONDS by a first timing at 256."""
+    """This machine's compute roofline as the bench measures it: the GFLOP/s of an n x n input
+    through an n x n linear layer's weight (torch's F.linear, as every model's Linear), and the n
+    it was measured at. Where torch has no fast kernel for the dtype (bfloat16 on a CPU without
+    AVX-512: 12-20 GFLOP/s) a smaller n is taken, the largest whose products fit in GEMM_SECONDS
+    by a first timing at 256."""
     rate = _matmul_rate(dtype, 256, 1)
     while n > 256 and 2 * n**3 * (reps + 3) / (rate * 1e9) > GEMM_SECONDS:
         n //= 2
@@ -462,12 +464,14 @@ def gemm_gflops(dtype: torch.dtype, n: int = GEMM_N, reps: int = 10) -> tuple[fl
 
 
 def _matmul_rate(dtype: torch.dtype, n: int, reps: int) -> float:
+    # F.linear(a, b) = a @ b^T: the weight's layout. A bfloat16 `a @ b` with b as stored takes
+    # another path in torch 2.13 on CPUs without AVX-512, ~15x slower (1.2 against 16 GFLOP/s)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(3):
-        a @ b
+        F.linear(a, b)
     start = time.perf_counter()
     for _ in range(reps):
-        a @ b
+        F.linear(a, b)
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
 
 
@@ -518,7 +522,7 @@ def roofline(bench: DtypeBench, model_path: Path) -> dict:
 def transformers_too_slow(bench: DtypeBench, model_path: Path) -> str:
     """Why the transformers systems are skipped in this dtype, or "": at torch's own GEMM rate
     in the dtype, the static batch alone (the fastest of them) would take longer than
-    --hf-budget seconds. Torch's bfloat16 GEMM on a CPU without AVX-512 runs at ~0.3 GFLOP/s."""
+    --hf-budget seconds (a torch whose kernels for the dtype are reference loops)."""
     rate = gemm_rates(bench).get(bench.dtype, (None, 0))[0]
     if not rate:
         return ""

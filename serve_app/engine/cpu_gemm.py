@@ -13,19 +13,22 @@ match `nn.Linear` to float32 rounding (the kernels sum in another order; in bflo
 may differ from `nn.Linear`'s by one bfloat16 step where its float32 sum is near a tie). Used
 on CPU for float32 and bfloat16 only; other devices and dtypes keep their layers.
 
-Where the engine's `streamed_linear` kernel is built (cpu_kernels.py, AVX-512 CPUs), `linear()`
-gives a `StreamedLinear` instead of a `PackedLinear`, for the LM head, the fused decoder layers'
-projections (cpu_layers.py) and any other Linear alike, in float32, and in bfloat16 on CPUs
-without bfloat16 arithmetic (no AVX512-BF16 or AMX). A decode step multiplies each weight by
-only a few dozen rows, and the weights together are far larger than the caches (the demo's LM
-head alone is 311 MB in float32), so oneDNN's GEMM waits for each weight about as long as it
-computes; the streamed kernel overlaps the two and adds the bias and a residual or product as it
-writes. Measured on a 2-core Xeon at 32 rows: the demo's head 20.6 ms instead of 25.5 in
-float32; its eight layers' projections 7.2 ms instead of 8.9 (the prefill of 32 x 128 tokens
-636 ms instead of 566: oneDNN's blocking is better at many rows, and one packed copy of each
-weight is kept, not two). In bfloat16 on such a CPU oneDNN runs at a quarter of its float32
-rate, and the streamed kernel, which widens the weights to float32 in registers, runs at its
-float32 rate: the head 21.6 ms instead of 93.6, the offline demo twice as fast.
+Where the engine's `streamed_linear` kernel is built (cpu_kernels.py: AVX-512, or AVX2 and FMA),
+`linear()` gives a `StreamedLinear` instead of a `PackedLinear`, for the LM head, the fused decoder
+layers' projections (cpu_layers.py) and any other Linear alike, in float32, and in bfloat16 on CPUs
+without bfloat16 arithmetic (no AVX512-BF16 or AMX). A decode step multiplies each weight by only a
+few dozen rows, and the weights together are far larger than the caches (the demo's LM head alone
+is 311 MB in float32), so oneDNN's GEMM waits for each weight about as long as it computes; the
+streamed kernel overlaps the two and adds the bias and a residual or product as it writes. Measured
+on a 2-core Xeon at 32 rows: the demo's head 20.6 ms instead of 25.5 in float32; its eight layers'
+projections 7.2 ms instead of 8.9 (the prefill of 32 x 128 tokens 636 ms instead of 566: oneDNN's
+blocking is better at many rows, and one packed copy of each weight is kept, not two). In bfloat16
+on such a CPU oneDNN runs at a quarter of its float32 rate, and the streamed kernel, which widens
+the weights to float32 in registers, runs at its float32 rate: the head 21.6 ms instead of 93.6,
+the offline demo twice as fast. On a 2-core AMD EPYC without AVX-512 (Zen 3), measured in
+alternation at 32 rows: the head 37.5 ms against oneDNN's 39.5, the eight layers' projections 10.1
+against 14.1; there oneDNN cannot prepack bfloat16 at all (`onednn_packs`), so bfloat16 runs on the
+streamed kernel or, where it is not built, on transformers' own layers (`supported` says no).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ engine keeps its portable torch path and logs why once. The ops:
   weight's arrival, with the bias and a residual add or a product applied as it writes: the LM
   head and the fused decoder layers' projections, in float32, and in bfloat16 on CPUs without
   bf16 arithmetic (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM). Built on CPUs with
-  AVX-512 only, where it was measured; `op` says None elsewhere.
+  AVX-512 or with AVX2 and FMA, where it was measured; `op` says None elsewhere.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the

@@ -138,7 +138,7 @@ def test_a_bfloat16_roofline_is_the_faster_of_the_two_gemms(eb, tmp_path, monkey
 
 
 def test_a_gemm_torch_has_no_fast_kernel_for_is_timed_smaller(eb, monkeypatch):
-    # torch's bfloat16 GEMM on a CPU without AVX-512: ~0.3 GFLOP/s, a 2048^3 product ~1 min
+    # a dtype torch multiplies in reference loops: ~0.3 GFLOP/s, a 2048^3 product ~1 min
     sizes = []
 
     def rate(dtype, n, reps):

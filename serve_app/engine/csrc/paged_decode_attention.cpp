@@ -4,7 +4,7 @@
 // positions, found through its block table. Work items are (sequence, KV head) pairs, run in
 // parallel on torch's intra-op thread pool; each item computes the scores of its group of query
 // heads against every key (each key row read once for the whole group; bfloat16 keys through
-// AVX512-BF16 dot products where the CPU has them), a softmax in float32 16 lanes at a time,
+// AVX512-BF16 dot products where the CPU has them), a softmax in float32 kLanes at a time,
 // then the weighted sum of the value rows with its accumulators in registers. A sequence's
 // first item asks for whole cache rows ahead of their use, so its other heads find them in
 // cache. No key or value is copied out of the cache; the query may be a view with strided rows.
@@ -66,7 +66,7 @@ inline void prefetch(const T* p, int64_t bytes) {
 
 constexpr int64_t kAhead = 16;  // keys are asked for this many tokens ahead
 
-// exp(x) for 16 lanes, x <= 0 (scores minus their maximum): x = k ln2 + r with |r| <= ln2/2,
+// exp(x) for kLanes lanes, x <= 0 (scores minus their maximum): x = k ln2 + r with |r| <= ln2/2,
 // exp(r) by its Taylor series to r^7 (relative error below 2e-7), 2^k put into the exponent bits.
 inline vf vexp(vf x) {
   constexpr float kLog2e = 1.44269504088896341f;
@@ -90,8 +90,8 @@ inline vf vexp(vf x) {
   return p * (vf)((ki + 127) << 23);
 }
 
-// s[t] = exp(s[t] - max(s)) over a row, 16 lanes at a time; returns 1 / sum(s), the softmax's
-// normaliser. The tail past the last whole 16 is padded in a register, never read or written.
+// s[t] = exp(s[t] - max(s)) over a row, kLanes at a time; returns 1 / sum(s), the softmax's
+// normaliser. The tail past the last whole kLanes is padded in a register, never read or written.
 float softmax_row(float* s, int64_t len) {
   const int64_t whole = len - len % kLanes;
   float top = s[0];
@@ -208,7 +208,7 @@ inline vf sum_lanes(const vf* v) {
   return fold_all<kLanes / 2>(a);
 }
 
-// One key row of a query head's dot products, as 16 lanes of partial sums (sum16 finishes them).
+// One key row of a query head's dot products, as kLanes of partial sums (sum_lanes finishes them).
 // The query is held widened to float32 and already scaled.
 template <int64_t kVecs>
 struct FloatQuery {
@@ -290,9 +290,9 @@ void weighted_values(const T* v_cache, const int64_t* table, int64_t len, int64_
   }
 }
 
-// kVecs = head_dim / 16. Scores come 16 tokens at a time, each key row loaded once for the whole
-// group of query heads; the weighted sum of values keeps its accumulators in registers, up to
-// four query heads and 64 dimensions per pass over the values.
+// kVecs = head_dim / kLanes. Scores come kLanes tokens at a time, each key row loaded once for
+// the whole group of query heads; the weighted sum of values keeps its accumulators in
+// registers, up to four query heads and 4 * kLanes dimensions per pass over the values.
 template <typename T, int64_t kVecs>
 void decode_attention_vec(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                           const int64_t* tables, const int64_t* lens, T* out, int64_t num_seqs,
@@ -312,7 +312,7 @@ void decode_attention_vec(const T* q, int64_t q_stride, const T* k_cache, const 
       const int64_t h = item % num_kv_heads;
       const int64_t len = lens[b];
       const int64_t* table = tables + b * table_width;
-      const int64_t stride = max_len + kLanes;  // room for a whole last chunk of 16
+      const int64_t stride = max_len + kLanes;  // room for a whole last chunk
       // the first item of a sequence (in this thread) brings whole rows, all heads, into cache:
       // its keys kAhead tokens ahead and its values for the second pass
       const bool lead = h == 0 || item == begin;

@@ -13,11 +13,12 @@
 // takes as long to arrive from memory as to multiply, and oneDNN's blocked kernel does one after
 // the other (measured on a 2-core Xeon at 32 rows: 25.7 ms for the demo's head, while the memory
 // alone takes 11 ms and the arithmetic alone ~17 ms). Here every block is multiplied in register
-// tiles of up to 12 rows x 32 columns (24 accumulators) while the block after next is asked into
-// L2, its lines spread evenly over the tiles' k loops: 19-20 ms. Each output is one k-ordered
-// float32 sum. More rows than 48 (a prefill) go through each thread's blocks again, 48 at a time.
-// bfloat16 is used here only on CPUs without bfloat16 arithmetic (cpu_gemm.streams), where
-// oneDNN's bfloat16 GEMM runs at a quarter of its float32 rate.
+// tiles of up to 12 rows x 32 columns (24 accumulators; on AVX2, two tiles of up to 6 rows x 16
+// columns side by side) while the block after next is asked into L2, its lines spread evenly over
+// the tiles' k loops: 19-20 ms. Each output is one k-ordered float32 sum. More rows than 48 (a
+// prefill) go through each thread's blocks again, 48 at a time. bfloat16 is used here only on
+// CPUs without bfloat16 arithmetic (cpu_gemm.streams), where oneDNN's bfloat16 GEMM runs at a
+// quarter of its float32 rate (with AVX-512) or cannot run at all (AVX2 only).
 //
 // Registered as torch.ops.serve_app_cpu.streamed_linear by serve_app/engine/cpu_kernels.py.
 
