@@ -117,3 +117,20 @@ def test_modules_stay_small_or_the_readme_says_why():
             assert re.search(re.escape(relative) + r"`? \(", readme), (
                 f"{relative} has {lines} lines (> {MAX_LINES}); split it or say why in README.md"
             )
+
+
+def test_processes_without_a_model_do_not_import_the_model_code():
+    # the ingress and the tokenizer pool start in every app and every scale-out: importing
+    # transformers' modeling code with the engine's runner cost each ~5 s of CPU on 2 cores
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, serve_app.ingress.deployment, serve_app.tokenizer.pool, serve_app.app\n"
+        "heavy = ['serve_app.engine.model_runner', 'transformers.modeling_utils']\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+        "from serve_app.engine import LLM, SamplingParams\n"  # still there on first use
+        "print(LLM.__module__, SamplingParams.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "serve_app.engine.llm serve_app.engine.params"]
