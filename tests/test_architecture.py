@@ -120,13 +120,16 @@ def test_modules_stay_small_or_the_readme_says_why():
 
 
 def test_processes_without_a_model_do_not_import_the_model_code():
-    # the ingress and the tokenizer pool start in every app and every scale-out: importing
-    # transformers' modeling code with the engine's runner cost each ~5 s of CPU on 2 cores
+    # the ingress and the tokenizer pool start in every app and every scale-out, and a model
+    # replica whose step loop runs in a child process (engineProcess, the default) holds no
+    # model itself: importing transformers' modeling code with the engine's runner cost each
+    # ~5 s of CPU on 2 cores
     import subprocess
     import sys
 
     code = (
         "import sys, serve_app.ingress.deployment, serve_app.tokenizer.pool, serve_app.app\n"
+        "import serve_app.replica.model_replica\n"  # its engine may run in a child process
         "heavy = ['serve_app.engine.model_runner', 'transformers.modeling_utils']\n"
         "print([m for m in heavy if m in sys.modules])\n"
         "from serve_app.engine import LLM, SamplingParams\n"  # still there on first use

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,9 +28,11 @@ from serve_app.engine.config import EngineConfig
 from serve_app.engine.engine_process import EngineInfo, EngineProcess
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.inputs import EngineRequest
-from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
 from serve_app.engine.step_loop import IDLE_WAIT_S, run_steps
+
+if TYPE_CHECKING:  # with the step loop in a child process, this one imports no model code
+    from serve_app.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,11 @@ class AsyncEngine:
 
             self._tokenizer = load_tokenizer(self.info.model_path)
             return
-        self.engine = engine or LLMEngine(config)
+        if engine is None:
+            from serve_app.engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(config)
+        self.engine = engine
         self.info = EngineInfo.of(self.engine)
         self._tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.inputs import EngineRequest
-from serve_app.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:  # a process that hosts the engine in a child imports no model code
+    from serve_app.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 Items = list[tuple[str, object]]
