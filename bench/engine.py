@@ -515,8 +515,9 @@ def roofline(bench: DtypeBench, model_path: Path) -> dict:
             gflops = work / bench.systems[key]["seconds"]
             systems[key] = {"gflops": gflops, "fraction": gflops / peak}
     n = measured[roof_dtype][1] if peak else GEMM_N
+    sizes = {d: size for d, (_rate, size) in measured.items()}
     return {"dtype": roof_dtype, "gemm_n": n, "gemm_gflops": peak, "gemm_rates": rates,
-            "workload_gflop": work, "systems": systems}  # fmt: skip
+            "gemm_sizes": sizes, "workload_gflop": work, "systems": systems}  # fmt: skip
 
 
 def transformers_too_slow(bench: DtypeBench, model_path: Path) -> str:
@@ -650,13 +651,18 @@ def print_report(dtype: str, result: dict) -> None:
         print(f"  {key}: skipped: {reason}")
     roof = result["roofline"]
     others = {d: r for d, r in roof.get("gemm_rates", {}).items() if d != roof["dtype"]}
-    beaten = "".join(f" (faster than {d}'s {r:.3g})" for d, r in others.items())
+    sizes = roof.get("gemm_sizes", {})
+    beaten = "".join(
+        f" (faster than {d}'s {r:.3g}"
+        + (f" at {sizes[d]}^3)" if sizes.get(d, 0) != roof["gemm_n"] else ")")
+        for d, r in others.items()
+    )
     if roof["gemm_gflops"] is None:
         print("  compute roofline: measured on CPU only")
     else:
         print(
             f"  compute roofline: a {roof['gemm_n']}^3 {roof['dtype']} GEMM runs at "
-            f"{roof['gemm_gflops']:.0f} GFLOP/s here{beaten}; the workload is "
+            f"{roof['gemm_gflops']:.3g} GFLOP/s here{beaten}; the workload is "
             f"{roof['workload_gflop']:.0f} GFLOP, so "
             + ", ".join(
                 f"{k} reaches {v['gflops']:.0f} GFLOP/s = {100 * v['fraction']:.0f} %"

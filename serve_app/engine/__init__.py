@@ -55,6 +55,10 @@ if TYPE_CHECKING:
     from serve_app.engine.params import FinishReason, SamplingParams
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
+
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -261,8 +261,8 @@ struct QueryFor {
 };
 #endif
 
-// acc[g] += p[g, t] * v_t over a context for kGroup query heads (kGroup <= 4) and one 64-wide
-// slice of the head (4 vectors), the accumulators in registers; out_g = acc[g] / sum.
+// acc[g] += p[g, t] * v_t over a context for kGroup query heads (kGroup <= 4) and one slice of
+// the head 4 vectors wide, the accumulators in registers; out_g = acc[g] / sum.
 template <typename T, int64_t kGroup>
 void weighted_values(const T* v_cache, const int64_t* table, int64_t len, int64_t block_size,
                      int64_t row, int64_t offset, const float* scores, int64_t stride,

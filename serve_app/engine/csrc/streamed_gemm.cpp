@@ -234,7 +234,7 @@ void tile_of(int64_t rows, std::integer_sequence<int64_t, Rs...>, const float* x
 
 // The rows in groups of at most kRows, each multiplied by a register tile: slices of equal size
 // of at most kMaxRows rows (one pass over the weight each), each cut into groups of sizes that
-// differ by one at most (32 rows: 11, 11, 10).
+// differ by one at most (32 rows: 11, 11, 10 on AVX-512; 6, 6, 5, 5, 5, 5 on AVX2).
 struct Group {
   int64_t row0, rows;
 };
