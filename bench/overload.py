@@ -104,20 +104,46 @@ def wait_ready(url: str, timeout_s: float, process: subprocess.Popen | None) -> 
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
 
 
+def _serve_deployment(proc) -> str | None:
+    """The Serve deployment whose replica runs in this process (Ray's title:
+    ...ServeReplica:<app>:<deployment>[.<method it runs now>]), else None."""
+    cmd = " ".join(proc.info["cmdline"] or [])
+    if "ServeReplica:" not in cmd:
+        return None
+    return cmd.split("ServeReplica:", 1)[1].split()[0].rsplit(":", 1)[-1].split(".")[0]
+
+
+def _is_engine_process(proc) -> bool:
+    """A model replica's engine process (engineProcess: true): the child of a Serve replica,
+    not one of the same command that something else on this machine started (a test, a bench)."""
+    import psutil
+
+    if "engine_process import _child_main" not in " ".join(proc.info["cmdline"] or []):
+        return False
+    try:
+        parent = proc.parent()
+        return parent is not None and "ServeReplica:" in " ".join(parent.cmdline())
+    except psutil.Error:  # it or its parent ended meanwhile, or is not ours to read
+        return False
+
+
+def engine_processes() -> list:
+    """The Serve model replicas' engine processes on this machine (psutil.Process)."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if _is_engine_process(p)]
+
+
 def replica_rss_mb() -> dict[str, float]:
     """Resident memory (MB) of the serving processes on this machine, by role."""
     import psutil
 
     roles: dict[str, float] = {}
     for proc in psutil.process_iter(["cmdline", "memory_info"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if "ServeReplica:" in cmd:  # Ray's title: ...:<deployment>[.<method it runs now>]
-            role = cmd.split("ServeReplica:", 1)[1].split()[0].rsplit(":", 1)[-1].split(".")[0]
-        elif "engine_process import _child_main" in cmd:
+        role = _serve_deployment(proc)
+        if role is None and _is_engine_process(proc):
             role = "engine process"
-        else:
-            continue
-        if proc.info["memory_info"] is not None:
+        if role is not None and proc.info["memory_info"] is not None:
             roles[role] = roles.get(role, 0.0) + proc.info["memory_info"].rss / 2**20
     return roles
 

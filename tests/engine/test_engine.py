@@ -78,6 +78,7 @@ def test_preemption_when_the_pool_is_too_small_keeps_outputs_exact(prompts, hf_g
 
 
 def test_prefix_reuse_gives_identical_outputs_and_reuses_blocks(llm, prompts, hf_greedy):
+    llm.generate(prompts, GREEDY16_LOGPROBS)  # their full blocks cached, whatever ran before
     before = llm.engine.stats()["prefix_cache_hits"]
     assert_matches_transformers(llm.generate(prompts, GREEDY16_LOGPROBS), hf_greedy)
     hits = llm.engine.stats()["prefix_cache_hits"] - before

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from overload import engine_processes  # noqa: E402, F401 (for the test modules)
 
 EMBEDDING_ENDPOINT = "all-minilm-l6-v2"
 SERVE_TEST_ARGS = {

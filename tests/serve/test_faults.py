@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
 from serve_helpers import (
     BACK_WITHIN_S,
@@ -19,6 +18,7 @@ from serve_helpers import (
     SERVE_TEST_ARGS,
     actors,
     deploy,
+    engine_processes,
     kill,
     serves_again,
     stream_until_fault,
@@ -55,19 +55,9 @@ def test_a_model_replica_killed_mid_stream_ends_the_stream_and_is_replaced(app):
     assert [a["name"] for a in actors("ModelReplica")] != [replica["name"]]  # a new one
 
 
-def _engine_processes() -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if "engine_process import _child_main" in " ".join(proc.info["cmdline"] or []):
-            parent = proc.parent()
-            if parent is not None and "ModelReplica" in " ".join(parent.cmdline()):
-                found.append(proc)
-    return found
-
-
 def test_an_engine_process_killed_inside_a_live_replica_fails_its_requests_and_is_replaced(app):
     serves_again(app)  # the replica of the test before is up
-    (engine,) = _engine_processes()
+    (engine,) = engine_processes()
     (replica,) = actors("ModelReplica")
     events, ended_s = stream_until_fault(app, engine.kill)
     assert ended_s < ERROR_WITHIN_S

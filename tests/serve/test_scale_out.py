@@ -11,9 +11,8 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
-from serve_helpers import SERVE_TEST_ARGS, deploy
+from serve_helpers import SERVE_TEST_ARGS, deploy, engine_processes
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +39,9 @@ def app(cluster):
 def _engine_cpu_seconds() -> dict[int, float]:
     """CPU seconds of each model replica's engine process, by pid."""
     found = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        if "engine_process import _child_main" in " ".join(proc.info["cmdline"] or []):
-            times = proc.cpu_times()
-            found[proc.pid] = times.user + times.system
+    for proc in engine_processes():
+        times = proc.cpu_times()
+        found[proc.pid] = times.user + times.system
     return found
 
 
