@@ -33,7 +33,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check serve_app tests bench
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n 2
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
