@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+# bench/ importable by the serve test modules (bench/soak.py, bench/overload.py's helpers)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from overload import engine_processes  # noqa: E402, F401 (for the test modules)
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -384,7 +382,7 @@ def test_batch_completion_stream_disconnect_frees_every_prompt(server, kv_idle_h
 
 # -- last: a minute of mixed traffic on the same app ---------------------------------------------
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+# bench/soak.py: serve_helpers put bench/ on the import path
 from soak import IDLE_KEYS, replica_rss_mb, rss_growth, settle, soak  # noqa: E402
 
 RSS_SLACK_MB = 256  # an allocator's high-water mark moves; a leak over a minute goes past it
