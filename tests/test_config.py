@@ -213,6 +213,7 @@ def test_ranges(key, low, high, others):
         (f"{DEPLOY}.ModelConfig.npuMemSize", -2),
         (f"{DEPLOY}.ModelConfig.engineCpus", "one"),
         (f"{DEPLOY}.ModelConfig.engineCpus", "3-1"),
+        (f"{DEPLOY}.ModelConfig.engineSpareCpus", "zero"),
         ("BackendConfig.npuDeviceIds", [[-1]]),
     ],
 )
@@ -241,6 +242,17 @@ def test_bad_item_is_not_reported_as_too_short():
 def test_engine_cpus_need_the_engine_process():
     message = error_of(config(**{f"{DEPLOY}.ModelConfig.engineCpus": "1"}))
     assert f"{DEPLOY}.ModelConfig[0]" in message and "needs engineProcess: true" in message
+
+
+def test_spare_cores_need_the_engine_process_and_differ_from_its_own():
+    key = f"{DEPLOY}.ModelConfig"
+    message = error_of(config(**{f"{key}.engineSpareCpus": "0"}))
+    assert f"{key}[0]" in message and "engineSpareCpus needs engineProcess: true" in message
+    both = {f"{key}.engineProcess": True, f"{key}.engineCpus": "1", f"{key}.engineSpareCpus": "0-1"}
+    assert "engineSpareCpus 1 are engineCpus too" in error_of(config(**both))
+    fine = {f"{key}.engineProcess": True, f"{key}.engineCpus": "1", f"{key}.engineSpareCpus": "0"}
+    cfg = load_config(config(**fine))
+    assert cfg.engine_config().engine_spare_cpus == (0,)
 
 
 def test_serving_cores_avoid_every_bound_engine():

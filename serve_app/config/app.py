@@ -80,6 +80,7 @@ class AppConfig(BaseModel):
             device=model.device,
             engine_process=model.engineProcess,
             engine_cpus=parse_cpus(model.engineCpus),
+            engine_spare_cpus=parse_cpus(model.engineSpareCpus),
         )
 
     def serving_cores(self) -> set[int] | None:

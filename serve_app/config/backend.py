@@ -70,9 +70,7 @@ class ModelConfig(BaseModel):
     )
     dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
         _ENGINE.dtype,
-        description=(
-            "(extension) Weight and activation dtype; auto = the checkpoint's torch_dtype."
-        ),
+        description="(extension) Weight and activation dtype; auto = the checkpoint's torch_dtype.",
     )
     device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
         _ENGINE.device,
@@ -102,15 +100,24 @@ class ModelConfig(BaseModel):
             "and tokenizer pool keep to the other cores of the node. Empty = no binding."
         ),
     )
+    engineSpareCpus: str = Field(
+        "",
+        description=(
+            "(extension) Cores whose idle time the engine process borrows for its CPU GEMMs, e.g. "
+            "'0' (needs engineProcess: true; not engineCpus): a helper thread per core at the "
+            "lowest priority (Linux SCHED_IDLE), which the step never waits for. Empty = none."
+        ),
+    )
 
-    @field_validator("engineCpus")
+    @field_validator("engineCpus", "engineSpareCpus")
     @classmethod
     def _cpus(cls, value: str) -> str:
         return format_cpus(parse_cpus(value))  # ValueError names the bad part
 
     @model_validator(mode="after")
     def _cpus_need_process(self) -> ModelConfig:
-        found = engine_config.cpus_problems(self.engineProcess, self.engineCpus)
+        cpus = parse_cpus(self.engineCpus), parse_cpus(self.engineSpareCpus)
+        found = engine_config.cpus_problems(self.engineProcess, *cpus)
         if found:
             raise ValueError(found[0])
         return self
@@ -189,9 +196,7 @@ class ScheduleConfig(BaseModel):
         _ENGINE.max_prefill_tokens, ge=1, description="Most prompt tokens in one prefill step."
     )
     prefillTimeMsPerReq: int = Field(
-        150,
-        ge=0,
-        description=("Expected prefill time per request, ms (used by supportSelectBatch)."),
+        150, ge=0, description="Expected prefill time per request, ms (used by supportSelectBatch)."
     )
     decodeTimeMsPerReq: int = Field(
         50, ge=0, description=("Expected decode time per request, ms (used by supportSelectBatch).")
@@ -222,16 +227,12 @@ class ScheduleConfig(BaseModel):
         5000, ge=0, description=("Longest wait to fill a batch, in microseconds.")
     )
     maxFirstTokenWaitTime: int = Field(
-        2500,
-        ge=0,
-        description=("Longest wait for a first token before prefill is favoured, in ms."),
+        2500, ge=0, description="Longest wait for a first token before prefill is favoured, in ms."
     )
     kvCacheBlocks: int = Field(
         _ENGINE.num_kv_blocks,
         ge=0,
-        description=(
-            "(extension) KV pool size in blocks, used on CPU; 0 = derive from npuMemSize."
-        ),
+        description="(extension) KV pool size in blocks, used on CPU; 0 = derive from npuMemSize.",
     )
     enablePrefixCaching: bool = Field(
         _ENGINE.enable_prefix_caching,

@@ -62,13 +62,15 @@ class EngineConfig:
     e2e_timeout_s: float = 600.0  # longest life of one request
     seed: int = 0  # seed of the shared generator for requests without their own seed
     # AsyncEngine: the step loop in a child process of its own (engine_process.py), bound to
-    # these cores when given (its torch threads = their count)
+    # these cores when given (its torch threads = their count), its CPU GEMMs helped by threads
+    # on the spare cores at idle priority (csrc/spare_cores.h)
     engine_process: bool = False
     engine_cpus: tuple[int, ...] = ()
+    engine_spare_cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         found = problems(self.by_mindie_name())
-        found += cpus_problems(self.engine_process, self.engine_cpus)
+        found += cpus_problems(self.engine_process, self.engine_cpus, self.engine_spare_cpus)
         if found:
             raise ValueError(found[0])  # the first broken rule, naming its keys
 
@@ -96,11 +98,22 @@ class EngineConfig:
         return {**values, "dtype": self.dtype, "device": self.device}
 
 
-def cpus_problems(engine_process: bool, engine_cpus) -> list[str]:
-    """engineCpus binds the engine process, so it needs one (ModelConfig checks it too)."""
+def cpus_problems(engine_process: bool, engine_cpus, spare_cpus=()) -> list[str]:
+    """engineCpus binds the engine process and engineSpareCpus lends it helper threads, so both
+    need one; a core is the engine's own or a spare one, not both (ModelConfig checks it too)."""
+    found = []
     if engine_cpus and not engine_process:
-        return ["engineCpus needs engineProcess: true (it binds the engine process)"]
-    return []
+        found.append("engineCpus needs engineProcess: true (it binds the engine process)")
+    if spare_cpus and not engine_process:
+        found.append("engineSpareCpus needs engineProcess: true (it lends the process cores)")
+    both = set(engine_cpus) & set(spare_cpus)
+    if both:
+        cores = ",".join(str(c) for c in sorted(both))
+        found.append(
+            f"engineSpareCpus {cores} are engineCpus too: spare cores are the cores the engine "
+            "process is not bound to (those the serving path runs on)"
+        )
+    return found
 
 
 def problems(

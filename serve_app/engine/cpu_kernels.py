@@ -41,9 +41,13 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / name
-    for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp", "streamed_gemm.cpp")
-]
-HEADERS = [CSRC / "elements.h"]  # included by the sources: part of the fingerprint
+    for name in (
+        "paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp", "streamed_gemm.cpp",
+        "spare_cores.cpp",
+    )
+]  # fmt: skip
+# included by the sources: part of the fingerprint
+HEADERS = [CSRC / "elements.h", CSRC / "spare_cores.h"]
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
 LIBRARY = "serve_app_cpu_kernels"
 _lock = threading.Lock()

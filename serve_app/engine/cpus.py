@@ -1,8 +1,9 @@
-"""CPU core lists ("0-3,6") and binding a whole process to a set of cores.
+"""CPU core lists ("0-3,6"), binding a whole process to a set of cores, lending it spare ones.
 
 An engine process bound to its own cores (ModelConfig `engineCpus`) steps without the serving
 path's threads taking turns on them; the ingress and the tokenizer pool then bind to the cores
-left over (`serving_cores`). Linux only; elsewhere binding is a no-op.
+left over (`serving_cores`). The engine may borrow what the serving path leaves idle of those
+(`engineSpareCpus`, `lend_spare_cores`). Linux only; elsewhere binding is a no-op.
 """
 
 from __future__ import annotations
@@ -63,10 +64,36 @@ def bind_process(cores: Iterable[int] | None) -> None:
             missing = cores
             break
     if missing:
-        raise ValueError(
-            f"cores {format_cpus(missing)} are not available here (this process may use "
-            f"{format_cpus(available_cores())})"
-        )
+        raise _not_available(missing)
+
+
+def check_cores(cores: Iterable[int]) -> None:
+    """ValueError when one of `cores` is not among those this process may use, naming those."""
+    missing = set(cores) - available_cores()
+    if missing:
+        raise _not_available(missing)
+
+
+def _not_available(missing: Iterable[int]) -> ValueError:
+    return ValueError(
+        f"cores {format_cpus(missing)} are not available here (this process may use "
+        f"{format_cpus(available_cores())})"
+    )
+
+
+def lend_spare_cores(cores: Iterable[int]) -> int:
+    """Helper threads for this process's CPU GEMMs, one per core of `cores`, each bound to its
+    core at the lowest priority (Linux SCHED_IDLE): they run only while nothing else wants the
+    core, and a step never waits for one (engine/csrc/spare_cores.h). How many run: 0 for no
+    cores, or where the engine's CPU kernels are not built here (cpu_kernels logs why). Check
+    the cores with `check_cores` before binding the process elsewhere."""
+    cores = sorted(set(cores))
+    if not cores:
+        return 0
+    from serve_app.engine import cpu_kernels
+
+    use = cpu_kernels.op("use_spare_cpus")
+    return 0 if use is None else int(use(cores))
 
 
 def serving_cores(engine_cores: Iterable[int]) -> set[int] | None:

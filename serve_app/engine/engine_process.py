@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.cpus import format_cpus
 from serve_app.engine.step_loop import IDLE_WAIT_S, Items, run_steps
 
 # glibc malloc in the engine process (the environment's own settings win): buffers up to 1 GiB
@@ -48,9 +49,12 @@ class EngineInfo:
     num_threads: int
     model_path: str
     cpus: tuple[int, ...] = ()  # bound to these cores; () = not bound
+    spare_cpus: tuple[int, ...] = ()  # helpers of its CPU GEMMs run on these (idle priority)
 
     @classmethod
-    def of(cls, engine, cpus: tuple[int, ...] = ()) -> EngineInfo:
+    def of(
+        cls, engine, cpus: tuple[int, ...] = (), spare_cpus: tuple[int, ...] = ()
+    ) -> EngineInfo:
         import torch
 
         runner = engine.runner
@@ -62,7 +66,15 @@ class EngineInfo:
             torch.get_num_threads(),
             str(runner.model_path),
             cpus,
+            spare_cpus,
         )
+
+    def placement(self) -> str:
+        """' on cores 1, GEMM helpers on the idle time of cores 0' ('' when not bound)."""
+        text = f" on cores {format_cpus(self.cpus)}" if self.cpus else ""
+        if self.spare_cpus:
+            text += f", GEMM helpers on the idle time of cores {format_cpus(self.spare_cpus)}"
+        return text
 
 
 class EngineProcess:
@@ -157,8 +169,9 @@ def _child_main(fd: int) -> None:
     conn = Connection(fd)
     try:
         config, num_threads = pickle.loads(conn.recv_bytes())
-        from serve_app.engine.cpus import bind_process
+        from serve_app.engine.cpus import bind_process, check_cores, lend_spare_cores
 
+        check_cores(config.engine_spare_cpus)  # before binding: then only engine_cpus are
         bind_process(config.engine_cpus)
         import torch
 
@@ -166,7 +179,11 @@ def _child_main(fd: int) -> None:
         from serve_app.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
-        ready = {"info": EngineInfo.of(engine, config.engine_cpus), "stats": engine.stats()}
+        spare = ()  # helpers only for GEMMs on this CPU
+        if engine.runner.device.type == "cpu" and lend_spare_cores(config.engine_spare_cpus):
+            spare = config.engine_spare_cpus
+        info = EngineInfo.of(engine, config.engine_cpus, spare)
+        ready = {"info": info, "stats": engine.stats()}
     except BaseException:
         _send(conn, ("failed", traceback.format_exc()))
         return

@@ -22,7 +22,6 @@ from serve_app.config import AppConfig, accelerator_env
 from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.disagg.handoff import KV_LOSS_POLICIES, Handoff, HandoffFailed, fetch_kv
 from serve_app.engine.async_engine import AsyncEngine
-from serve_app.engine.cpus import format_cpus
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
@@ -83,11 +82,10 @@ class ModelReplica:
         self.tokenizer = self.engine.tokenizer
         info = self.engine.info
         where = "its own process" if engine_config.engine_process else "a thread"
-        cores = f" on cores {format_cpus(info.cpus)}" if info.cpus else ""
         print(
             f"model replica {self.replica_id}: {self.model_name!r} ready on {info.device} "
             f"({info.dtype}, {info.num_blocks} KV blocks, {info.num_threads} torch threads, "
-            f"step loop in {where}{cores}) in {time.monotonic() - start:.1f} s",
+            f"step loop in {where}{info.placement()}) in {time.monotonic() - start:.1f} s",
             flush=True,
         )
 

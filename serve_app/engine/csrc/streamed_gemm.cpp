@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "elements.h"
+#include "spare_cores.h"
 
 // Built where it was measured: AVX-512 (Intel Xeon) and AVX2 with FMA (AMD EPYC without AVX-512);
 // other CPUs keep oneDNN's GEMM.
@@ -45,6 +46,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -256,17 +258,25 @@ std::vector<std::vector<Group>> slice_rows(int64_t M) {
   return slices;
 }
 
-// x: float32 [M, K], contiguous (a bfloat16 x is widened first, exactly). Each thread
-// takes a range of blocks and goes through it once per slice of rows, so a many-row x (a prefill)
-// meets no barrier between slices and each thread's blocks stay in its cache from one slice to
-// the next. A block is multiplied by one register tile per group of rows and per kTileCols of its
-// columns (one on AVX-512; on AVX2 its left half for every group, then its right half).
+// x: float32 [M, K], contiguous (a bfloat16 x is widened first, exactly), times the packed
+// weight's blocks. A range of blocks is gone through once per slice of rows, so a many-row x (a
+// prefill) meets no barrier between slices and the range's blocks stay in its thread's cache from
+// one slice to the next. A block is multiplied by one register tile per group of rows and per
+// kTileCols of its columns (one on AVX-512; on AVX2 its left half for every group, then its right
+// half).
 template <typename T>
-void gemm(const float* xd, const std::vector<std::vector<Group>>& slices, const T* wd, T* od,
-          int64_t K, int64_t n, int64_t blocks, Finish<T> finish) {
-  const int64_t block_size = K * kCols;
-  const int64_t lines = block_size * static_cast<int64_t>(sizeof(T)) / kLine;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+struct Gemm {
+  const float* xd;
+  std::vector<std::vector<Group>> slices;
+  const T* wd;
+  int64_t K, n, blocks;
+  Finish<T> finish;
+
+  // blocks [begin, end) into `out`: its column 0 is column begin * kCols of the result, its
+  // rows ldo apart
+  void blocks_into(int64_t begin, int64_t end, T* out, int64_t ldo) const {
+    const int64_t block_size = K * kCols;
+    const int64_t lines = block_size * static_cast<int64_t>(sizeof(T)) / kLine;
     for (const auto& slice : slices) {
       const int64_t groups = static_cast<int64_t>(slice.size());
       const int64_t passes = groups * kTilesPerBlock;
@@ -275,7 +285,7 @@ void gemm(const float* xd, const std::vector<std::vector<Group>>& slices, const 
       for (int64_t b = begin; b < end; ++b) {
         const T* block = wd + b * block_size;
         const int64_t cols = std::min(kCols, n - b * kCols);
-        const bool ask = b + kAheadBlocks < end;  // the blocks past `end` are another thread's
+        const bool ask = b + kAheadBlocks < end;  // the blocks past `end` may be another thread's
         const char* ahead = reinterpret_cast<const char*>(block + kAheadBlocks * block_size);
         for (int64_t t = 0; t < kTilesPerBlock; ++t) {
           const int64_t col0 = t * kTileCols;  // the tiles' first column in the block
@@ -289,13 +299,85 @@ void gemm(const float* xd, const std::vector<std::vector<Group>>& slices, const 
             if (here.bias != nullptr) here.bias += b * kCols + col0;
             if (here.kind != kNone) here.other += g.row0 * here.ld_other + b * kCols + col0;
             tile_of(g.rows, std::make_integer_sequence<int64_t, kRows>{}, xd + g.row0 * K, K,
-                    block + col0, od + g.row0 * n + b * kCols + col0, n, cols - col0, here,
-                    ahead + start * kLine, fetch, per_k);
+                    block + col0, out + g.row0 * ldo + (b - begin) * kCols + col0, ldo,
+                    cols - col0, here, ahead + start * kLine, fetch, per_k);
           }
         }
       }
     }
-  });
+  }
+
+  // every block, the torch threads each taking a range of them
+  void run(T* od) const {
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      blocks_into(begin, end, od + begin * kCols, n);
+    });
+  }
+};
+
+// The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of whole blocks. It
+// holds the tensors it reads: a helper the caller has taken a chunk back from may still be
+// multiplying it after the caller returned.
+template <typename T>
+struct SharedGemm final : serve_app_cpu::SharedJob {
+  SharedGemm(Gemm<T> gemm, int64_t M, int64_t per_chunk, T* out, std::vector<at::Tensor> keep)
+      : SharedJob((gemm.blocks + per_chunk - 1) / per_chunk),
+        gemm(std::move(gemm)),
+        M(M),
+        per_chunk(per_chunk),
+        out(out),
+        keep(std::move(keep)) {}
+
+  int64_t begin(int64_t c) const { return c * per_chunk; }
+  int64_t end(int64_t c) const { return std::min(gemm.blocks, (c + 1) * per_chunk); }
+  int64_t cols(int64_t c) const { return std::min(gemm.n, end(c) * kCols) - begin(c) * kCols; }
+
+  void run(int64_t c) override {
+    gemm.blocks_into(begin(c), end(c), out + begin(c) * kCols, gemm.n);
+  }
+
+  void run_into(int64_t c, std::vector<char>& scratch) override {
+    scratch.resize(static_cast<size_t>(M * cols(c)) * sizeof(T));
+    gemm.blocks_into(begin(c), end(c), reinterpret_cast<T*>(scratch.data()), cols(c));
+  }
+
+  void commit(int64_t c, const std::vector<char>& scratch) override {
+    const T* from = reinterpret_cast<const T*>(scratch.data());
+    const int64_t width = cols(c);
+    for (int64_t r = 0; r < M; ++r) {
+      std::memcpy(out + r * gemm.n + begin(c) * kCols, from + r * width, width * sizeof(T));
+    }
+  }
+
+  const Gemm<T> gemm;
+  const int64_t M, per_chunk;
+  T* const out;
+  const std::vector<at::Tensor> keep;  // x (as float32), the weight, bias and other
+};
+
+// Blocks per chunk when helpers share a GEMM: about 0.2 ms of work each (a block costs its
+// multiplications at ~65 GFLOP/s or its bytes at ~10 GB/s, whichever takes longer: one core of
+// the machines measured), so that a caller which takes back a late helper's chunk redoes little.
+int64_t blocks_per_chunk(int64_t M, int64_t K, int64_t element_size) {
+  const double flops_ns = 2.0 * static_cast<double>(M * K * kCols) / 65.0;
+  const double bytes_ns = static_cast<double>(K * kCols * element_size) / 10.0;
+  const double block_ns = std::max(1.0, std::max(flops_ns, bytes_ns));
+  return std::max<int64_t>(1, static_cast<int64_t>(200000.0 / block_ns));
+}
+
+// out = the GEMM: shared with the helpers when some run and it makes two chunks or more, else
+// on the torch threads alone
+template <typename T>
+void gemm(Gemm<T> g, int64_t M, T* out, std::vector<at::Tensor> keep) {
+  if (serve_app_cpu::spare_helpers() > 0) {
+    const int64_t per_chunk = blocks_per_chunk(M, g.K, sizeof(T));
+    if (g.blocks > per_chunk) {
+      serve_app_cpu::run_shared(
+          std::make_shared<SharedGemm<T>>(std::move(g), M, per_chunk, out, std::move(keep)));
+      return;
+    }
+  }
+  g.run(out);
 }
 
 template <typename T>
@@ -329,15 +411,18 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_
               "other must be [M, n] with contiguous rows, in x's dtype");
   auto out = at::empty({M, n}, x.options());
   if (M == 0) return out;  // (K == 0 goes through: the tiles finish sums of nothing, zeros)
-  const auto slices = slice_rows(M);
   const auto xf = x.to(at::kFloat).contiguous();
-  const float* xd = xf.data_ptr<float>();
+  std::vector<at::Tensor> keep{xf, packed};
+  if (bias) keep.push_back(*bias);
+  if (epilogue != kNone) keep.push_back(*other);
   if (x.scalar_type() == at::kFloat) {
-    gemm(xd, slices, packed.data_ptr<float>(), out.data_ptr<float>(), K, n, blocks,
-         finish_of<float>(bias, other, epilogue));
+    Gemm<float> g{xf.data_ptr<float>(), slice_rows(M), packed.data_ptr<float>(), K, n, blocks,
+                  finish_of<float>(bias, other, epilogue)};
+    gemm(std::move(g), M, out.data_ptr<float>(), std::move(keep));
   } else {
-    gemm(xd, slices, packed.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), K, n,
-         blocks, finish_of<c10::BFloat16>(bias, other, epilogue));
+    Gemm<c10::BFloat16> g{xf.data_ptr<float>(), slice_rows(M), packed.data_ptr<c10::BFloat16>(),
+                          K, n, blocks, finish_of<c10::BFloat16>(bias, other, epilogue)};
+    gemm(std::move(g), M, out.data_ptr<c10::BFloat16>(), std::move(keep));
   }
   return out;
 }

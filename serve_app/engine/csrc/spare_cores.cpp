@@ -1,0 +1,249 @@
+// Helper threads on spare cores (spare_cores.h), and the ops that start them and count their
+// work:
+//
+// use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0) -> int
+//   One helper thread per core in `cpus` (replacing any started before; [] stops them), each
+//   bound to its core at SCHED_IDLE: it runs only while nothing else wants the core. Returns
+//   how many run. The delays are for tests: helpers (or the caller's threads) sleep that long
+//   before each chunk, so that the caller takes chunks back from late helpers (or helpers get
+//   chunks at all on a busy machine).
+// spare_cores_stats() -> int[]
+//   Chunks done since the process started: by the caller's threads, by helpers, and taken back
+//   from helpers that were late.
+//
+// Registered as torch.ops.serve_app_cpu.* by serve_app/engine/cpu_kernels.py.
+
+#include "spare_cores.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace serve_app_cpu {
+
+namespace {
+
+// A chunk's owner: nobody yet (its claimer has not marked it), the caller's threads, a helper
+// computing it, a helper copying its result into place, taken back from a helper by the caller.
+enum ChunkState : int { kFree = 0, kTeam, kHelper, kCommitting, kTaken, kDone };
+
+void pause() {
+#if defined(__x86_64__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+void sleep_us(int64_t us) {
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
+class Pool {
+ public:
+  int64_t start(const std::vector<int64_t>& cpus, int64_t helper_delay_us, int64_t team_delay_us) {
+    stop_all();
+    helper_delay_us_ = helper_delay_us;
+    team_delay_us_ = team_delay_us;
+    for (const int64_t cpu : cpus) {
+      threads_.emplace_back([this] { loop(); });
+      const std::string problem = place(threads_.back(), cpu);
+      if (!problem.empty()) {
+        stop_all();
+        TORCH_CHECK(false, "use_spare_cpus: core ", cpu, ": ", problem);
+      }
+    }
+    count_.store(static_cast<int64_t>(threads_.size()), std::memory_order_release);
+    return static_cast<int64_t>(threads_.size());
+  }
+
+  int64_t count() const { return count_.load(std::memory_order_acquire); }
+
+  void publish(const std::shared_ptr<SharedJob>& job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = job;
+      ++generation_;
+    }
+    wake_.notify_all();
+  }
+
+  void retire(const SharedJob* job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (job_.get() == job) job_.reset();
+  }
+
+  int64_t team_delay_us() const { return team_delay_us_; }
+
+  std::atomic<int64_t> team_chunks{0}, helper_chunks{0}, taken_chunks{0};
+
+ private:
+  // the helper on `cpu` at SCHED_IDLE; "" or what went wrong
+  static std::string place(std::thread& thread, int64_t cpu) {
+#if defined(__linux__)
+    if (cpu < 0 || cpu >= CPU_SETSIZE) return "not a core id";
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cpu), &set);
+    if (pthread_setaffinity_np(thread.native_handle(), sizeof(set), &set) != 0) {
+      return "not available to this process";
+    }
+    sched_param param{};
+    param.sched_priority = 0;
+    if (pthread_setschedparam(thread.native_handle(), SCHED_IDLE, &param) != 0) {
+      return "SCHED_IDLE refused";
+    }
+    return "";
+#else
+    (void)thread;
+    (void)cpu;
+    return "helpers on spare cores need Linux";
+#endif
+  }
+
+  void stop_all() {
+    count_.store(0, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& thread : threads_) thread.join();
+    threads_.clear();
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = false;
+  }
+
+  void loop() {
+    std::vector<char> scratch;
+    uint64_t seen = 0;
+    for (;;) {
+      std::shared_ptr<SharedJob> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || (generation_ != seen && job_); });
+        if (stopping_) return;
+        seen = generation_;
+        job = job_;
+      }
+      work(*job, scratch);
+    }
+  }
+
+  void work(SharedJob& job, std::vector<char>& scratch) {
+    for (;;) {
+      const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= job.chunks) return;
+      int expected = kFree;
+      if (!job.state[c].compare_exchange_strong(expected, kHelper, std::memory_order_acq_rel)) {
+        continue;  // taken back before this helper marked it
+      }
+      sleep_us(helper_delay_us_);
+      job.run_into(c, scratch);
+      expected = kHelper;
+      if (job.state[c].compare_exchange_strong(expected, kCommitting,
+                                               std::memory_order_acq_rel)) {
+        job.commit(c, scratch);
+        job.state[c].store(kDone, std::memory_order_release);
+        helper_chunks.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::shared_ptr<SharedJob> job_;
+  uint64_t generation_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+  std::atomic<int64_t> count_{0};
+  int64_t helper_delay_us_ = 0, team_delay_us_ = 0;
+};
+
+Pool& pool() {
+  static Pool* instance = new Pool();  // never destroyed: helpers may run until the process ends
+  return *instance;
+}
+
+// One of the caller's threads: claim chunks until none is left, then take back every chunk a
+// helper has claimed and not yet started to copy into place.
+void team_work(SharedJob& job, Pool& p) {
+  for (;;) {
+    const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= job.chunks) break;
+    int expected = kFree;
+    if (!job.state[c].compare_exchange_strong(expected, kTeam, std::memory_order_acq_rel)) {
+      continue;
+    }
+    sleep_us(p.team_delay_us());
+    job.run(c);
+    p.team_chunks.fetch_add(1, std::memory_order_relaxed);
+  }
+  for (int64_t c = 0; c < job.chunks; ++c) {
+    int seen = job.state[c].load(std::memory_order_acquire);
+    while (seen == kFree || seen == kHelper) {
+      if (job.state[c].compare_exchange_weak(seen, kTaken, std::memory_order_acq_rel)) {
+        job.run(c);
+        p.taken_chunks.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+SharedJob::SharedJob(int64_t chunks) : chunks(chunks), state(new std::atomic<int>[chunks]) {
+  for (int64_t c = 0; c < chunks; ++c) state[c].store(kFree, std::memory_order_relaxed);
+}
+
+int64_t spare_helpers() { return pool().count(); }
+
+void run_shared(const std::shared_ptr<SharedJob>& job) {
+  Pool& p = pool();
+  p.publish(job);
+  const int64_t team = at::get_num_threads();
+  at::parallel_for(0, team, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) team_work(*job, p);
+  });
+  p.retire(job.get());
+  for (int64_t c = 0; c < job->chunks; ++c) {
+    while (job->state[c].load(std::memory_order_acquire) == kCommitting) pause();
+  }
+}
+
+}  // namespace serve_app_cpu
+
+namespace {
+
+int64_t use_spare_cpus(c10::ArrayRef<int64_t> cpus, int64_t helper_delay_us,
+                       int64_t team_delay_us) {
+  return serve_app_cpu::pool().start(cpus.vec(), helper_delay_us, team_delay_us);
+}
+
+std::vector<int64_t> spare_cores_stats() {
+  auto& p = serve_app_cpu::pool();
+  return {p.team_chunks.load(), p.helper_chunks.load(), p.taken_chunks.load()};
+}
+
+}  // namespace
+
+// no tensor arguments: one kernel for every dispatch key
+TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
+  m.def("use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0) -> int",
+        &use_spare_cpus);
+  m.def("spare_cores_stats() -> int[]", &spare_cores_stats);
+}

@@ -1,0 +1,46 @@
+// Work that the calling thread shares with helper threads on spare cores: cores that other
+// processes (the serving path) use part of the time, which the helpers take only while nothing
+// else wants them (Linux SCHED_IDLE).
+//
+// A job is cut into chunks. The caller's torch threads and the helpers claim chunks from one
+// counter. The caller's threads write their results in place; a helper computes into a scratch
+// buffer of its own and copies it into place only if its chunk is still its own. A helper can
+// be preempted at any moment, for as long as the serving path runs, so the caller never waits
+// for one: once no chunk is left to claim, it takes over every chunk a helper is still
+// computing (the helper's work is then discarded) and waits only for copies already under way.
+// A helper may thus still read a job's inputs after the caller returned: a job keeps what it
+// reads alive (it is held by a shared_ptr) and writes nothing in place after the caller returns.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace serve_app_cpu {
+
+class SharedJob {
+ public:
+  explicit SharedJob(int64_t chunks);
+  virtual ~SharedJob() = default;
+
+  // chunk c, written in place (the caller's threads)
+  virtual void run(int64_t c) = 0;
+  // chunk c into `scratch` (a helper), and later, if the chunk is still the helper's, copied
+  // into place
+  virtual void run_into(int64_t c, std::vector<char>& scratch) = 0;
+  virtual void commit(int64_t c, const std::vector<char>& scratch) = 0;
+
+  const int64_t chunks;
+  std::atomic<int64_t> next{0};                  // the next chunk to claim
+  std::unique_ptr<std::atomic<int>[]> state;    // per chunk: who has it (spare_cores.cpp)
+};
+
+// How many helper threads are running (0: `run_shared` is not worth calling).
+int64_t spare_helpers();
+
+// Runs every chunk of `job` on the caller's torch threads (at::parallel_for) and the helpers;
+// returns once every chunk's result is in place.
+void run_shared(const std::shared_ptr<SharedJob>& job);
+
+}  // namespace serve_app_cpu

@@ -1,0 +1,148 @@
+"""Helper threads on spare cores (engineSpareCpus, csrc/spare_cores.h): a GEMM shared with them
+gives exactly the caller's own result, whoever computes which chunk, also when the caller
+takes chunks back from late helpers; the engine process starts them at idle priority."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from serve_app.engine import EngineConfig, SamplingParams, cpu_gemm, cpu_kernels
+from serve_app.engine.async_engine import AsyncEngine
+from serve_app.engine.cpus import lend_spare_cores
+from serve_app.engine.inputs import EngineRequest
+
+use_spare_cpus = cpu_kernels.op("use_spare_cpus")
+stats = cpu_kernels.op("spare_cores_stats")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.op("streamed_linear") is None,
+    reason="the streamed GEMM (the kernel helpers share) is built for AVX-512 and AVX2 only",
+)
+CORE = min(os.sched_getaffinity(0))
+CONFIG = EngineConfig(
+    model="demo-tiny", dtype="float32", max_seq_len=256, max_input_token_len=128,
+    max_iter_times=64, max_prefill_tokens=256, block_size=16, num_kv_blocks=64,
+)  # fmt: skip
+PROCESS = CONFIG.replace(engine_process=True)
+
+
+@pytest.fixture
+def helpers():
+    """Start helpers with `start(helper_delay_us, team_delay_us)`; stopped after the test."""
+
+    def start(helper_delay_us=0, team_delay_us=0):
+        assert use_spare_cpus([CORE], helper_delay_us, team_delay_us) == 1
+
+    yield start
+    assert use_spare_cpus([]) == 0
+
+
+def _cases():
+    """(layer, x, other, epilogue) for each dtype, one row and many (prefill slices), with and
+    without a bias, each epilogue; wide enough to make many chunks at any row count."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(9005, 64).to(dtype)  # a last block of 13 columns
+        for rows in (1, 100):
+            for bias in (None, torch.randn(9005).to(dtype)):
+                layer = cpu_gemm.StreamedLinear(weight, bias)
+                x = torch.randn(rows, 64).to(dtype)
+                other = torch.randn(rows, 9005).to(dtype)
+                yield layer, x, None, 0
+                yield layer, x, other, 1
+                yield layer, x, other, 2
+
+
+def _run(cases):
+    with torch.inference_mode():
+        return [
+            layer.kernel(x, layer.packed, layer.out_features, layer.bias, other, epilogue)
+            for layer, x, other, epilogue in cases
+        ]
+
+
+def _exactly_the_callers_own(delays, counter):
+    cases = list(_cases())
+    alone = _run(cases)
+    before = stats()
+    use_spare_cpus([CORE], *delays)
+    try:
+        shared = _run(cases)
+    finally:
+        use_spare_cpus([])
+    for got, expect in zip(shared, alone, strict=True):
+        assert torch.equal(got, expect)  # the same sums, in the same order, bit for bit
+    return stats()[counter] - before[counter]
+
+
+def test_helpers_compute_chunks_in_place_of_the_caller():
+    # the caller's thread sleeps before each chunk: helpers surely get some
+    assert _exactly_the_callers_own((0, 2000), counter=1) > 0
+
+
+def test_the_caller_takes_back_the_chunks_of_late_helpers():
+    # helpers sleep 50 ms before each chunk they claim: the caller redoes it and returns, the
+    # helper's result is dropped (and the inputs it still reads stay alive until then)
+    assert _exactly_the_callers_own((50_000, 0), counter=2) > 0
+
+
+def test_a_gemm_too_small_to_share_is_the_callers(helpers):
+    helpers()
+    before = stats()
+    layer = cpu_gemm.StreamedLinear(torch.randn(32, 64))  # one block: one chunk
+    with torch.inference_mode():
+        layer(torch.randn(3, 64))
+    assert stats() == before
+
+
+def test_helpers_run_at_idle_priority_on_their_core(helpers):
+    own = set(os.listdir("/proc/self/task"))
+    helpers()
+    new = [int(t) for t in set(os.listdir("/proc/self/task")) - own]
+    assert any(
+        os.sched_getscheduler(t) == os.SCHED_IDLE and os.sched_getaffinity(t) == {CORE}
+        for t in new
+    )
+
+
+def test_a_core_that_is_not_there_is_named():
+    with pytest.raises(RuntimeError, match="core 4096"):
+        use_spare_cpus([4096])
+    assert use_spare_cpus([]) == 0
+    assert lend_spare_cores([]) == 0
+
+
+def test_the_engine_process_lends_its_gemms_the_spare_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one for the engine, one spare")
+    engine = AsyncEngine(PROCESS.replace(engine_cpus=(cores[1],), engine_spare_cpus=(cores[0],)))
+    try:
+        assert engine.info.cpus == (cores[1],) and engine.info.spare_cpus == (cores[0],)
+        pid = engine._process._process.pid
+        idle = [
+            int(t) for t in os.listdir(f"/proc/{pid}/task")
+            if os.sched_getscheduler(int(t)) == os.SCHED_IDLE
+        ]  # fmt: skip
+        assert len(idle) == 1 and os.sched_getaffinity(idle[0]) == {cores[0]}
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+        async def tokens():
+            out = []
+            async for output in engine.generate(EngineRequest("lent", list(range(40)), greedy)):
+                out += output.outputs[0].new_token_ids
+            return out
+
+        assert len(asyncio.run(tokens())) == 12
+    finally:
+        engine.shutdown()
+
+
+def test_spare_cores_need_the_engine_process_and_are_not_its_own():
+    with pytest.raises(ValueError, match="engineSpareCpus needs engineProcess"):
+        CONFIG.replace(engine_spare_cpus=(0,))
+    with pytest.raises(ValueError, match="engineSpareCpus 1 are engineCpus too"):
+        PROCESS.replace(engine_cpus=(1,), engine_spare_cpus=(0, 1))
