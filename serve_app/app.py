@@ -62,7 +62,9 @@ def build_app(args: dict[str, Any] | None = None):
             name = replica_deployment_name(config, i, role)
             options = model_replica_options(config, i, role=role)
             deployment = serve.deployment(ModelReplica, name=name, **options)
-            replicas[role][model.modelName] = deployment.bind(config, i, role)
+            replicas[role][model.modelName] = deployment.bind(
+                config, i, role, off_engine_cores=True
+            )
             names.append(name)
     # One CPU deployment per embedding endpoint; the ingress is ready once these are too.
     embedding = {}

@@ -22,7 +22,7 @@ from serve_app.config import AppConfig, accelerator_env
 from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.disagg.handoff import KV_LOSS_POLICIES, Handoff, HandoffFailed, fetch_kv
 from serve_app.engine.async_engine import AsyncEngine
-from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.cpus import bind_process
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.messages import (
@@ -45,6 +45,8 @@ class ModelReplica:
     connector: how prefill stages the KV for decode (`serve_app.disagg.connector`).
     kv_loss_policy: what decode does when the KV cannot be fetched ("recompute" the prompt
     locally, or "fail" the request). Both default to ServerConfig's kvConnector / kvLossPolicy.
+    off_engine_cores: when the engine process is bound to cores (engineCpus), bind this process,
+    whose work is the serving path's, to the cores no engine is bound to (the app builder asks).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class ModelReplica:
         role: str = "colocated",
         connector: str | None = None,
         kv_loss_policy: str | None = None,
+        off_engine_cores: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -68,6 +71,8 @@ class ModelReplica:
         self.kv_loss_policy = kv_loss_policy
         self.num_kv_lost = 0  # decode: hand-offs whose KV could not be fetched
         engine_config = app_config.engine_config(model_index)
+        if off_engine_cores and engine_config.engine_cpus:
+            bind_process(app_config.serving_cores())
         self.limits = app_config.token_limits()
         self.model_name = engine_config.model_name
         self.replica_id = uuid.uuid4().hex[:12]
@@ -127,7 +132,7 @@ class ModelReplica:
                     if output.finished:
                         break
         except Exception as exc:
-            error = _error_chunk(processor, exc, req.request_id)
+            error = processor.failure_chunk(exc)
         if error is None and (output is None or not output.finished):
             error = processor.error_chunk(
                 ErrorKind.ENGINE, "the engine ended the prefill without output"
@@ -217,7 +222,7 @@ class ModelReplica:
                         break
                     yield chunk
         except Exception as exc:
-            final = _error_chunk(processor, exc, request.request_id)
+            final = processor.failure_chunk(exc)
         if final is None:
             message = "the engine ended the request without output"
             final = processor.error_chunk(ErrorKind.ENGINE, message)
@@ -269,18 +274,6 @@ class ModelReplica:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to report to
             pass
-
-
-def _error_chunk(processor: OutputProcessor, exc: Exception, request_id: str) -> ReplicaChunk:
-    """An engine failure as the request's final chunk: refused, failed, or a bug in the replica
-    (which must not take the stream down silently)."""
-    if isinstance(exc, RequestRejected):
-        return processor.error_chunk(ErrorKind.REJECTED, str(exc))
-    if isinstance(exc, EngineError):
-        return processor.error_chunk(ErrorKind.ENGINE, str(exc))
-    logger.exception("request %s failed in the replica", request_id, exc_info=exc)
-    message = f"the model replica failed; its log has the details (request {request_id})"
-    return processor.error_chunk(ErrorKind.ENGINE, message)
 
 
 def _deadline(req: ReplicaRequest) -> float | None:

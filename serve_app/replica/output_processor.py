@@ -9,9 +9,11 @@ step and frees its KV blocks. Nothing after a stop string is ever emitted.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
+from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics, TokenLogprob
 from serve_app.engine.params import FinishReason
 from serve_app.messages import (
@@ -24,6 +26,8 @@ from serve_app.messages import (
 )
 from serve_app.tokenizer.detokenizer import IncrementalDetokenizer
 from serve_app.tokenizer.stop import StopMatcher
+
+logger = logging.getLogger(__name__)
 
 
 def _step_info(m: StepMetrics) -> StepInfo:
@@ -169,6 +173,18 @@ class OutputProcessor:
             error=message,
             error_kind=kind,
         )
+
+    def failure_chunk(self, exc: Exception) -> ReplicaChunk:
+        """An engine failure as the request's final chunk: refused, failed, or a bug in the
+        replica (which must not take the stream down silently)."""
+        if isinstance(exc, RequestRejected):
+            return self.error_chunk(ErrorKind.REJECTED, str(exc))
+        if isinstance(exc, EngineError):
+            return self.error_chunk(ErrorKind.ENGINE, str(exc))
+        request_id = self.req.request_id
+        logger.exception("request %s failed in the replica", request_id, exc_info=exc)
+        message = f"the model replica failed; its log has the details (request {request_id})"
+        return self.error_chunk(ErrorKind.ENGINE, message)
 
     # -- per choice -------------------------------------------------------------------------
 

@@ -356,3 +356,24 @@ def test_a_consumer_behind_the_engine_gets_coalesced_chunks_with_nothing_lost(
     assert last_delta(chunks).finish_reason == "length"
     assert last_delta(chunks).num_output_tokens == 32
     wait_idle(replica)
+
+
+def test_a_replica_whose_engine_is_bound_keeps_to_the_other_cores():
+    import copy
+    import os
+
+    from serve_app.engine.cpus import bind_process
+
+    here = sorted(os.sched_getaffinity(0))
+    if len(here) < 2:
+        pytest.skip("needs two cores: one for the engine, one for the serving path")
+    config = copy.deepcopy(CONFIG)
+    model = config["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    model.update(engineProcess=True, engineCpus=str(here[-1]))
+    replica = ModelReplica(load_config(config), off_engine_cores=True)
+    try:
+        assert os.sched_getaffinity(0) == set(here[:-1])  # the replica: the serving path's
+        assert os.sched_getaffinity(replica.engine._process._process.pid) == {here[-1]}
+    finally:
+        replica.shutdown()
+        bind_process(here)
