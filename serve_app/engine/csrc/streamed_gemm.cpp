@@ -315,21 +315,35 @@ struct Gemm {
   }
 };
 
-// The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of whole blocks. It
-// holds the tensors it reads: a helper the caller has taken a chunk back from may still be
-// multiplying it after the caller returned.
+// The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of whole blocks: the
+// last two chunks' worth cut in quarters, so that a caller which takes back the chunk of a late
+// helper at the end redoes a quarter of one. It holds the tensors it reads: a helper whose chunk
+// the caller took back may still be multiplying it after the caller returned.
 template <typename T>
 struct SharedGemm final : serve_app_cpu::SharedJob {
-  SharedGemm(Gemm<T> gemm, int64_t M, int64_t per_chunk, T* out, std::vector<at::Tensor> keep)
-      : SharedJob((gemm.blocks + per_chunk - 1) / per_chunk),
+  SharedGemm(Gemm<T> gemm, int64_t M, std::vector<int64_t> bounds, T* out,
+             std::vector<at::Tensor> keep)
+      : SharedJob(static_cast<int64_t>(bounds.size()) - 1),
         gemm(std::move(gemm)),
         M(M),
-        per_chunk(per_chunk),
+        bounds(std::move(bounds)),
         out(out),
         keep(std::move(keep)) {}
 
-  int64_t begin(int64_t c) const { return c * per_chunk; }
-  int64_t end(int64_t c) const { return std::min(gemm.blocks, (c + 1) * per_chunk); }
+  // chunk boundaries, in blocks: per_chunk each, then quarters of it for the last two
+  static std::vector<int64_t> cut(int64_t blocks, int64_t per_chunk) {
+    const int64_t head = blocks - std::min(blocks, 2 * per_chunk);
+    const int64_t quarter = std::max<int64_t>(1, per_chunk / 4);
+    std::vector<int64_t> bounds{0};
+    for (int64_t b = per_chunk; b < head; b += per_chunk) bounds.push_back(b);
+    if (head > 0) bounds.push_back(head);
+    for (int64_t b = head + quarter; b < blocks; b += quarter) bounds.push_back(b);
+    bounds.push_back(blocks);
+    return bounds;
+  }
+
+  int64_t begin(int64_t c) const { return bounds[c]; }
+  int64_t end(int64_t c) const { return bounds[c + 1]; }
   int64_t cols(int64_t c) const { return std::min(gemm.n, end(c) * kCols) - begin(c) * kCols; }
 
   void run(int64_t c) override {
@@ -350,7 +364,8 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
   }
 
   const Gemm<T> gemm;
-  const int64_t M, per_chunk;
+  const int64_t M;
+  const std::vector<int64_t> bounds;
   T* const out;
   const std::vector<at::Tensor> keep;  // x (as float32), the weight, bias and other
 };
@@ -372,8 +387,9 @@ void gemm(Gemm<T> g, int64_t M, T* out, std::vector<at::Tensor> keep) {
   if (serve_app_cpu::spare_helpers() > 0) {
     const int64_t per_chunk = blocks_per_chunk(M, g.K, sizeof(T));
     if (g.blocks > per_chunk) {
-      serve_app_cpu::run_shared(
-          std::make_shared<SharedGemm<T>>(std::move(g), M, per_chunk, out, std::move(keep)));
+      auto bounds = SharedGemm<T>::cut(g.blocks, per_chunk);
+      serve_app_cpu::run_shared(std::make_shared<SharedGemm<T>>(std::move(g), M, std::move(bounds),
+                                                                out, std::move(keep)));
       return;
     }
   }
