@@ -3,7 +3,8 @@
 Equivalent to `serve run deployments.yaml`, plus what a first-time user wants to see: the config
 is checked before Ray starts (a bad key fails at once, naming it), model build and load progress
 is printed as it happens, and the URL with a first request to try is printed when every model
-replica is ready. Ctrl-C stops the app and the local Ray instance it started.
+replica is ready. Ctrl-C or SIGTERM (`kill`, a service manager's stop) stops the app and the
+local Ray instance it started, with every process Ray started for it.
 
 By default the ingress replica serves HTTP itself on the config's http_options port (Ray Serve's
 direct ingress: no proxy actor between the client and the app, one process hop less per streamed
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -84,6 +86,7 @@ def main() -> None:
         "Ctrl-C stops it.",
         flush=True,
     )
+    _stop_on_signals()
     try:
         while True:
             time.sleep(3600)
@@ -92,6 +95,18 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM stops the app as Ctrl-C does (its default action would end this process at once,
+    leaving Ray's agents behind), and so does SIGINT where a shell that started us in the
+    background set it to be ignored."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _ingress_replicas(config) -> int:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+
+import pytest
 
 from serve_app import __main__ as main
 from serve_app.config import load_config
@@ -42,3 +45,18 @@ def test_a_port_in_use_is_not_bindable():
         port = held.getsockname()[1]
         assert not main._bindable("127.0.0.1", port)
     assert main._bindable("127.0.0.1", main._free_port("127.0.0.1"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_as_ctrl_c_does(signum):
+    # SIGTERM's default would end the process without stopping Ray (its agents left running);
+    # SIGINT is ignored in a server a shell started in the background
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        main._stop_on_signals()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signum)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
