@@ -127,6 +127,7 @@ def test_the_engine_process_binds_to_its_cores_and_threads():
     "config, message",
     [
         (PROCESS.replace(engine_cpus=(4096,)), "cores 4096 are not available here"),
+        (PROCESS.replace(engine_spare_cpus=(4097,)), "cores 4097 are not available here"),
         (PROCESS.replace(model="/nonexistent/weights"), "does not exist"),
     ],
 )
