@@ -16,7 +16,9 @@
 // tiles of up to 12 rows x 32 columns (24 accumulators; on AVX2, two tiles of up to 6 rows x 16
 // columns side by side) while the block after next is asked into L2, its lines spread evenly over
 // the tiles' k loops: 19-20 ms. Each output is one k-ordered float32 sum. More rows than 48 (a
-// prefill) go through each thread's blocks again, 48 at a time. bfloat16 is used here only on
+// prefill) go through each thread's blocks again, 48 at a time. Where helper threads run on spare
+// cores (spare_cores.h, ModelConfig engineSpareCpus), a GEMM of two chunks or more is shared with
+// them, chunk by chunk, with the same sums in the same order. bfloat16 is used here only on
 // CPUs without bfloat16 arithmetic (cpu_gemm.streams), where oneDNN's bfloat16 GEMM runs at a
 // quarter of its float32 rate (with AVX-512) or cannot run at all (AVX2 only).
 //
