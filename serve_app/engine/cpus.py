@@ -8,8 +8,11 @@ left over (`serving_cores`). The engine may borrow what the serving path leaves 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -85,15 +88,23 @@ def lend_spare_cores(cores: Iterable[int]) -> int:
     """Helper threads for this process's CPU GEMMs, one per core of `cores`, each bound to its
     core at the lowest priority (Linux SCHED_IDLE): they run only while nothing else wants the
     core, and a step never waits for one (engine/csrc/spare_cores.h). How many run: 0 for no
-    cores, or where the engine's CPU kernels are not built here (cpu_kernels logs why). Check
-    the cores with `check_cores` before binding the process elsewhere."""
+    cores, where the engine's CPU kernels are not built here (cpu_kernels logs why), or where
+    the system refuses a helper its core or its priority (logged; the engine runs without).
+    Check the cores with `check_cores` before binding the process elsewhere."""
     cores = sorted(set(cores))
     if not cores:
         return 0
     from serve_app.engine import cpu_kernels
 
     use = cpu_kernels.op("use_spare_cpus")
-    return 0 if use is None else int(use(cores))
+    if use is None:
+        return 0
+    try:
+        return int(use(cores))
+    except RuntimeError as exc:
+        log.warning("spare cores %s not lent, the engine runs without helpers: %s",
+                    format_cpus(cores), str(exc).splitlines()[0])  # fmt: skip
+        return 0
 
 
 def serving_cores(engine_cores: Iterable[int]) -> set[int] | None:

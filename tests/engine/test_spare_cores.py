@@ -115,6 +115,14 @@ def test_a_core_that_is_not_there_is_named():
     assert lend_spare_cores([]) == 0
 
 
+def test_an_engine_refused_its_helpers_runs_without_them(caplog):
+    # lend_spare_cores' callers checked the cores first; a refusal left (a container that
+    # forbids the idle priority, say) costs the helpers, not the engine
+    assert lend_spare_cores([4096]) == 0
+    assert "spare cores 4096 not lent" in caplog.text and "core 4096" in caplog.text
+    assert use_spare_cpus([]) == 0
+
+
 def test_the_engine_process_lends_its_gemms_the_spare_cores():
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
