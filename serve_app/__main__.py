@@ -3,8 +3,10 @@
 Equivalent to `serve run deployments.yaml`, plus what a first-time user wants to see: the config
 is checked before Ray starts (a bad key fails at once, naming it), model build and load progress
 is printed as it happens, and the URL with a first request to try is printed when every model
-replica is ready. Ctrl-C or SIGTERM (`kill`, a service manager's stop) stops the app and the
-local Ray instance it started, with every process Ray started for it.
+replica is ready. Where every model's engine process is bound to cores of its own (engineCpus),
+the Ray instance it starts keeps to the other cores. Ctrl-C or SIGTERM (`kill`, a service
+manager's stop) stops the app and the local Ray instance it started, with every process Ray
+started for it.
 
 By default the ingress replica serves HTTP itself on the config's http_options port (Ray Serve's
 direct ingress: no proxy actor between the client and the app, one process hop less per streamed
@@ -25,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import ConfigError, load_config
+from serve_app.engine.cpus import bind_process, parse_cpus, serving_cores
 
 
 def main() -> None:
@@ -67,6 +70,9 @@ def main() -> None:
         _direct_ingress(http["port"], sum(_ingress_replicas(c) for c in configs))
         # Ray Serve still starts its proxy; it moves to a free port out of the way
         proxy_http = {**http, "port": _free_port(http["host"])}
+    cores = _ray_cores(configs)
+    if cores:  # Ray's processes, and the actors it starts, inherit these cores
+        bind_process(cores)
     ray.init(include_dashboard=False, logging_level="WARNING")
     serve.start(proxy_location=spec.get("proxy_location", "HeadOnly"), http_options=proxy_http)
     print("serve_app: starting (a built-in model is built into the cache on its first use) ...")
@@ -95,6 +101,18 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _ray_cores(configs) -> set[int] | None:
+    """The cores for the Ray instance this command starts (GCS, raylet, Serve's controller and
+    proxy, the workers: all inherit them) when every model's engine process is bound to cores of
+    its own: the rest, where they do not take turns with a step loop. None (no binding) when
+    some engine is not bound: its replica must keep every core."""
+    models = [m for c in configs for m in c.BackendConfig.ModelDeployConfig.ModelConfig]
+    if not all(m.engineProcess and m.engineCpus for m in models):
+        return None
+    bound = {c for m in models for c in parse_cpus(m.engineCpus)}
+    return serving_cores(bound)
 
 
 def _stop_on_signals() -> None:

@@ -60,3 +60,22 @@ def test_a_stop_signal_stops_as_ctrl_c_does(signum):
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_ray_keeps_off_the_engines_cores_only_when_every_engine_is_bound():
+    here = os.sched_getaffinity(0)
+    if len(here) < 2:
+        return  # nothing to leave to Ray on one core
+    engine = str(max(here))
+
+    def models(*cpus):
+        items = [
+            {"modelName": f"m{i}", "engineProcess": True, "engineCpus": c}
+            for i, c in enumerate(cpus)
+        ]
+        return load_config({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": items}}})
+
+    assert main._ray_cores([models(engine)]) == here - {max(here)}
+    assert main._ray_cores([models(engine), models(engine)]) == here - {max(here)}
+    assert main._ray_cores([models(engine, "")]) is None  # an unbound engine needs every core
+    assert main._ray_cores([load_config()]) is None
