@@ -19,6 +19,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <string>
@@ -72,6 +73,9 @@ class Pool {
 
   int64_t count() const { return count_.load(std::memory_order_acquire); }
 
+  // The caller takes the lock only to set the job; a helper holds it only to read the job when
+  // it wakes. A helper preempted right there (idle priority) would hold up the caller until the
+  // core is idle again: a window of a few instructions per GEMM, accepted for the plain lock.
   void publish(const std::shared_ptr<SharedJob>& job) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
