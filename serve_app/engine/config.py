@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.engine.cpus import format_cpus
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: the checkpoint's torch_dtype
 DEVICES = ("auto", "npu", "cuda", "cpu")  # auto: npu if present, else cuda, else cpu
 
@@ -108,10 +110,9 @@ def cpus_problems(engine_process: bool, engine_cpus, spare_cpus=()) -> list[str]
         found.append("engineSpareCpus needs engineProcess: true (it lends the process cores)")
     both = set(engine_cpus) & set(spare_cpus)
     if both:
-        cores = ",".join(str(c) for c in sorted(both))
         found.append(
-            f"engineSpareCpus {cores} are engineCpus too: spare cores are the cores the engine "
-            "process is not bound to (those the serving path runs on)"
+            f"engineSpareCpus {format_cpus(both)} are engineCpus too: spare cores are the cores "
+            "the engine process is not bound to (those the serving path runs on)"
         )
     return found
 
