@@ -53,6 +53,19 @@ void sleep_us(int64_t us) {
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
 
+// The next chunk of `job` from its counter, marked as `owner`'s (kTeam or kHelper); -1 once none
+// is left. A chunk taken back before its claimer marked it is skipped.
+int64_t claim(SharedJob& job, int owner) {
+  for (;;) {
+    const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= job.chunks) return -1;
+    int expected = kFree;
+    if (job.state[c].compare_exchange_strong(expected, owner, std::memory_order_acq_rel)) {
+      return c;
+    }
+  }
+}
+
 class Pool {
  public:
   int64_t start(const std::vector<int64_t>& cpus, int64_t helper_delay_us, int64_t team_delay_us) {
@@ -148,16 +161,10 @@ class Pool {
   }
 
   void work(SharedJob& job, std::vector<char>& scratch) {
-    for (;;) {
-      const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= job.chunks) return;
-      int expected = kFree;
-      if (!job.state[c].compare_exchange_strong(expected, kHelper, std::memory_order_acq_rel)) {
-        continue;  // taken back before this helper marked it
-      }
+    for (int64_t c; (c = claim(job, kHelper)) >= 0;) {
       sleep_us(helper_delay_us_);
       job.run_into(c, scratch);
-      expected = kHelper;
+      int expected = kHelper;
       if (job.state[c].compare_exchange_strong(expected, kCommitting,
                                                std::memory_order_acq_rel)) {
         job.commit(c, scratch);
@@ -185,13 +192,7 @@ Pool& pool() {
 // One of the caller's threads: claim chunks until none is left, then take back every chunk a
 // helper has claimed and not yet started to copy into place.
 void team_work(SharedJob& job, Pool& p) {
-  for (;;) {
-    const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= job.chunks) break;
-    int expected = kFree;
-    if (!job.state[c].compare_exchange_strong(expected, kTeam, std::memory_order_acq_rel)) {
-      continue;
-    }
+  for (int64_t c; (c = claim(job, kTeam)) >= 0;) {
     sleep_us(p.team_delay_us());
     job.run(c);
     p.team_chunks.fetch_add(1, std::memory_order_relaxed);
