@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.cpus import format_cpus
+from serve_app.engine.cpus import bind_process, check_cores, format_cpus, lend_spare_cores
 from serve_app.engine.step_loop import IDLE_WAIT_S, Items, run_steps
 
 # glibc malloc in the engine process (the environment's own settings win): buffers up to 1 GiB
@@ -169,8 +169,6 @@ def _child_main(fd: int) -> None:
     conn = Connection(fd)
     try:
         config, num_threads = pickle.loads(conn.recv_bytes())
-        from serve_app.engine.cpus import bind_process, check_cores, lend_spare_cores
-
         check_cores(config.engine_spare_cpus)  # before binding: then only engine_cpus are
         bind_process(config.engine_cpus)
         import torch
