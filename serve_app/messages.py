@@ -11,6 +11,7 @@ each API family renders them in its own envelope.
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -89,6 +90,20 @@ class Rejection:
 # -- model replica ----------------------------------------------------------------------------
 
 
+# The token socket's frames: this header (the byte length), then a pickled list of ReplicaChunks.
+TOKEN_FRAME = struct.Struct("!I")
+
+
+@dataclass(slots=True)
+class StreamAddress:
+    """Where a replica on the same node may write a request's chunks instead of yielding them
+    through Ray: the ingress's token socket (`ingress/token_inbox.py`). `secret` opens it."""
+
+    node_id: str | None  # the Ray node of the ingress; replicas elsewhere stream through Ray
+    path: str  # a Unix socket
+    secret: bytes
+
+
 @dataclass(slots=True)
 class ReplicaRequest:
     request_id: str  # unique per ingress request; the engine's request id
@@ -102,6 +117,7 @@ class ReplicaRequest:
     stream: bool = True  # False: the replica yields one final chunk with everything
     token_texts: bool = False  # fill ChoiceDelta.token_texts (per-token text for token events)
     logprob_texts: bool = False  # fill TokenLogprobText.token/top as decoded strings
+    reply_to: StreamAddress | None = None  # the ingress's token socket, when it has one
 
 
 @dataclass(slots=True)

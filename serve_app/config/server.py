@@ -88,6 +88,14 @@ class ServerConfig(BaseModel):
         ),
     )
     maxRequestLength: int = Field(40, ge=1, le=100, description="Largest request body, in MB.")
+    tokenStream: Literal["socket", "ray"] = Field(
+        "socket",
+        description=(
+            "(extension) How model replicas send streamed chunks to an ingress on their node: "
+            "socket (a Unix socket per ingress and replica, one write per engine step for all "
+            "its requests) or ray (one Ray Serve message per chunk, as across nodes)."
+        ),
+    )
 
     @field_validator("apiKeys")
     @classmethod

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from serve_app.ingress.token_inbox import TokenInbox
 from serve_app.messages import (
     DecodeRequest,
     EmbedRequest,
@@ -146,10 +147,14 @@ class RayBackend(_Targets):
         decode: dict[str, Any] | None = None,
         embedding: dict[str, Any] | None = None,
         stop_registry: Any = None,
+        token_inbox: TokenInbox | None = None,
     ) -> None:
+        """token_inbox: the ingress's token socket, through which replicas on its node send
+        the chunks of every request (None: each chunk is a Ray message of its own)."""
         super().__init__(tokenizer_pool, replicas, prefill, decode, embedding, stop_registry)
         self.app_name = app_name
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
+        self.token_inbox = token_inbox
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
         """Tokenizing has no side effect: a pool replica that died under the call is retried
@@ -167,7 +172,10 @@ class RayBackend(_Targets):
             return Rejection(None, message, ErrorKind.UNAVAILABLE)
 
     def generate(self, model: str, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]:
-        return _stream(self.replicas[model].options(stream=True).generate.remote(req))
+        handle = self.replicas[model].options(stream=True)
+        if self.token_inbox is not None:
+            return self.token_inbox.stream(req, lambda: handle.generate.remote(req))
+        return _stream(handle.generate.remote(req))
 
     async def prefill(self, model: str, req: ReplicaRequest) -> PrefillResult:
         response = self.prefill_replicas[model].prefill.remote(req)
@@ -181,7 +189,10 @@ class RayBackend(_Targets):
             raise
 
     def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]:
-        return _stream(self.decode_replicas[model].options(stream=True).decode.remote(req))
+        handle = self.decode_replicas[model].options(stream=True)
+        if self.token_inbox is not None:
+            return self.token_inbox.stream(req.request, lambda: handle.decode.remote(req))
+        return _stream(handle.decode.remote(req))
 
     async def stats(self, model: str) -> list[dict]:
         return [await replica.stats.remote() for replica in self.replicas_of(model)]

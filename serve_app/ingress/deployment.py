@@ -12,6 +12,7 @@ from serve_app.config import AppConfig
 from serve_app.engine.cpus import bind_process
 from serve_app.ingress.app import create_app
 from serve_app.ingress.backend import RayBackend
+from serve_app.ingress.token_inbox import TokenInbox
 
 
 class Ingress:
@@ -40,8 +41,23 @@ class Ingress:
             decode=replicas.get("decode"),
             embedding=embedding,
             stop_registry=stop_registry,
+            token_inbox=_token_inbox(config),
         )
         self.backend.replica_deployments = list(replica_deployments)
 
+    def __del__(self) -> None:
+        inbox = getattr(getattr(self, "backend", None), "token_inbox", None)
+        if inbox is not None:
+            inbox.close()
+
     def __serve_build_asgi_app__(self):
         return create_app(self.config, self.backend, echo_request_ids=False)  # Ray's proxy does
+
+
+def _token_inbox(config: AppConfig) -> TokenInbox | None:
+    """The ingress's token socket unless ServerConfig.tokenStream is "ray"."""
+    if config.ServerConfig.tokenStream != "socket":
+        return None
+    import ray
+
+    return TokenInbox(ray.get_runtime_context().get_node_id())

@@ -33,10 +33,12 @@ from serve_app.messages import (
     ReplicaRequest,
 )
 from serve_app.replica.output_processor import OutputProcessor
+from serve_app.replica.token_outbox import TokenOutbox, ray_node_id
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
+_SOCKET_CLOSED = "the token socket to the ingress closed"
 
 
 class ModelReplica:
@@ -77,6 +79,7 @@ class ModelReplica:
         self.model_name = engine_config.model_name
         self.replica_id = uuid.uuid4().hex[:12]
         self.engine: AsyncEngine | None = None  # set last: __del__ may see a failed __init__
+        self.outbox = TokenOutbox(ray_node_id())  # links to ingress token sockets on this node
         # print, not log: Ray forwards replica stdout to `serve run`, so users see the progress
         print(
             f"model replica {self.replica_id} ({role}): loading {engine_config.model!r} ...",
@@ -203,6 +206,8 @@ class ModelReplica:
         handoff: Handoff | None = None,
     ) -> AsyncIterator[ReplicaChunk]:
         final: ReplicaChunk | None = None
+        # The ingress's token socket, if on this node: the chunks go there (see TokenOutbox)
+        link = await self.outbox.link(processor.req.reply_to)
         try:
             # aclosing: leaving the loop early (all choices hit a stop string) must abort the
             # engine request now, not whenever the engine's generator is garbage collected.
@@ -217,10 +222,15 @@ class ModelReplica:
                         continue
                     if handoff is not None:
                         handoff.stamp(chunk)
+                    if link is not None and not link.alive:  # the ingress's side closed
+                        chunk = processor.error_chunk(ErrorKind.ENGINE, _SOCKET_CLOSED)
                     if chunk.finished:
                         final = chunk
                         break
-                    yield chunk
+                    if link is None:
+                        yield chunk
+                    else:
+                        link.put(chunk)
         except Exception as exc:
             final = processor.failure_chunk(exc)
         if final is None:
@@ -228,7 +238,10 @@ class ModelReplica:
             final = processor.error_chunk(ErrorKind.ENGINE, message)
         if handoff is not None:
             handoff.stamp(final)
-        yield self._final(final)
+        if link is None or not link.alive:
+            yield self._final(final)
+        else:
+            link.put(self._final(final), now=True)  # before this Ray stream ends
 
     def _final(self, chunk: ReplicaChunk) -> ReplicaChunk:
         chunk.stats = self.engine.stats()
@@ -260,11 +273,13 @@ class ModelReplica:
             "replica_id": self.replica_id,
             "model": self.model_name,
             "device": self.engine.info.device,
-            "node_id": _ray_node_id(),
+            "node_id": self.outbox.node_id,
             **accelerator_env(),
         }
 
     def shutdown(self) -> None:
+        if getattr(self, "outbox", None) is not None:
+            self.outbox.close()
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
@@ -279,13 +294,3 @@ class ModelReplica:
 def _deadline(req: ReplicaRequest) -> float | None:
     """The deadline starts when the request reaches the replica, on this replica's clock."""
     return None if req.timeout_s is None else time.monotonic() + req.timeout_s
-
-
-def _ray_node_id() -> str | None:
-    """The Ray node this replica runs on, when it runs under Ray (placement checks)."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    except Exception:  # not under Ray
-        return None

@@ -1,6 +1,7 @@
 """ModelReplica without Ray: text deltas, stop strings at the exact step, errors as chunks."""
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -377,3 +378,112 @@ def test_a_replica_whose_engine_is_bound_keeps_to_the_other_cores():
     finally:
         replica.shutdown()
         bind_process(here)
+
+
+class LocalResponse:
+    """The replica's generate() as a Serve streaming response: iterable, with cancel()."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.yielded = stream, []
+
+    async def _items(self):
+        async for chunk in self.stream:
+            self.yielded.append(chunk)
+            yield chunk
+
+    def __aiter__(self):
+        return self._items()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.stream.aclose())
+
+
+def through_token_socket(replica, req, node="node-a", leave_after=None):
+    """req through an ingress token inbox on `node` (the replica on node-a): the chunks the
+    inbox's stream gives, what the replica yielded through its own stream, and the inbox."""
+    from serve_app.ingress.token_inbox import TokenInbox
+    from serve_app.replica.token_outbox import TokenOutbox
+
+    async def run():
+        inbox, response = TokenInbox(node), None
+        replica.outbox = TokenOutbox("node-a")
+
+        def send():
+            nonlocal response
+            response = LocalResponse(replica.generate(req))
+            return response
+
+        chunks = []
+        try:
+            async with contextlib.aclosing(inbox.stream(req, send)) as stream:
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if leave_after is not None and len(chunks) == leave_after:
+                        break
+            await asyncio.sleep(0.05)  # the replica's cancellation lands
+        finally:
+            inbox.close()
+            replica.outbox.close()
+        return chunks, response.yielded, inbox
+
+    return asyncio.run(run())
+
+
+def test_chunks_through_the_ingress_token_socket_are_the_streams_own(replica, prompt, reference):
+    req = request(prompt, greedy(), token_texts=True)
+    chunks, yielded, inbox = through_token_socket(replica, req)
+    assert yielded == []  # nothing went through the replica's own (Ray) stream
+    assert inbox.num_chunks == len(chunks) > 1
+    assert joined(chunks, attr="token_ids") == reference.token_ids
+    assert joined(chunks) == reference.text
+    final = chunks[-1]
+    assert final.finished and final.error is None and final.stats["num_blocks"] == 128
+    assert final.replica_id == replica.replica_id and final.num_prompt_tokens == len(prompt)
+    assert sum(len(ch.steps) for ch in chunks) == 32
+    wait_idle(replica)
+
+
+def test_an_ingress_on_another_node_gets_the_chunks_through_the_replicas_stream(
+    replica, prompt, reference
+):
+    req = request(prompt, greedy())
+    chunks, yielded, inbox = through_token_socket(replica, req, node="node-b")
+    assert yielded == chunks and inbox.num_frames == 0
+    assert joined(chunks, attr="token_ids") == reference.token_ids and chunks[-1].finished
+
+
+def test_leaving_a_socket_stream_early_aborts_and_frees_the_blocks(replica, prompt):
+    req = request(prompt, greedy(LONG))
+    chunks, yielded, _ = through_token_socket(replica, req, leave_after=1)
+    assert len(chunks) == 1 and not chunks[0].finished and yielded == []
+    wait_idle(replica)
+
+
+def test_a_token_socket_closed_mid_request_ends_it_and_frees_the_blocks(replica, prompt):
+    """The ingress's side closes while the replica still streams to it (what Ray would carry
+    on): the replica ends the request with an error through its own stream."""
+    from serve_app.ingress.token_inbox import TokenInbox
+    from serve_app.replica.token_outbox import TokenOutbox
+
+    req = request(prompt, greedy(LONG))
+
+    async def run():
+        inbox = TokenInbox("node-a")
+        replica.outbox = TokenOutbox("node-a")
+        req.reply_to = await inbox.address()
+        task = asyncio.ensure_future(collect_async(replica.generate(req)))
+        while inbox.num_chunks == 0:
+            await asyncio.sleep(0.01)
+        inbox.close()  # the ingress's side of every connection closes
+        yielded = await asyncio.wait_for(task, 10)
+        replica.outbox.close()
+        return yielded
+
+    yielded = asyncio.run(run())
+    assert len(yielded) == 1 and yielded[0].finished and yielded[0].error_kind == "engine"
+    assert "token socket" in yielded[0].error
+    wait_idle(replica)
+
+
+async def collect_async(stream):
+    return [chunk async for chunk in stream]

@@ -1,0 +1,179 @@
+"""The ingress's token socket: one message per engine step from a replica, not one per stream.
+
+Through a Ray Serve handle every chunk of every streamed request is a Ray message of its own (at
+32 streams, 32 messages per engine step, each serialized, reported and received by Ray's core
+worker on both sides). A request still goes to its model replica through the handle (routing,
+cancellation, a replica's death stay Ray Serve's), but it carries this inbox's address
+(`StreamAddress`): a replica on the same node connects to it once and from then on writes, per
+engine step, the chunks of all the requests it runs for this ingress as one length-prefixed
+pickle (`replica/token_outbox.py`), which this side fans out to the requests' queues. Such a
+request's Ray stream yields nothing and ends once its final chunk is written; a replica on
+another node, or one that cannot connect, yields its chunks through Ray as before, and the
+request reads them from the same queue.
+
+The socket is a Unix socket in a directory only this user can enter; a connection must first
+send the inbox's random secret, which only requests sent by this ingress carry, before anything
+it sends is unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import pickle
+import secrets
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from serve_app.messages import TOKEN_FRAME, ReplicaChunk, ReplicaRequest, StreamAddress
+
+logger = logging.getLogger(__name__)
+
+SECRET_BYTES = 16
+# After a request's Ray stream ended, how long its final chunk may take to come through the
+# socket: the replica writes it before its stream ends, so this is only a guard against a lost one.
+LAST_CHUNK_S = 10.0
+
+_END = object()  # the request's Ray stream ended (its chunks came, or come, through the socket)
+_LOST = object()  # the connection that carried the request's chunks closed before its last
+
+
+class TokenStreamLost(ConnectionError):
+    """The socket that carried a request's chunks closed before its final chunk."""
+
+
+class TokenInbox:
+    """One per ingress process. `stream` runs one request through it."""
+
+    def __init__(self, node_id: str | None) -> None:
+        self.node_id = node_id
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._secret = secrets.token_bytes(SECRET_BYTES)
+        self._address: StreamAddress | None = None
+        self._starting: asyncio.Future | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._dir: str | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        # the connection that carries each running request's chunks, once one came through it
+        self._carriers: dict[str, asyncio.StreamWriter] = {}
+        self.num_frames = 0  # messages received from replicas
+        self.num_chunks = 0  # chunks they carried
+
+    async def address(self) -> StreamAddress | None:
+        """The socket's address, listening from the first call on; None when it cannot listen
+        (then requests stream through Ray)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        return await asyncio.shield(self._starting)
+
+    async def _start(self) -> StreamAddress | None:
+        try:
+            self._dir = tempfile.mkdtemp(prefix="serve_app-tokens-")  # mode 0700
+            path = os.path.join(self._dir, "inbox.sock")
+            self._server = await asyncio.start_unix_server(self._serve, path=path)
+        except OSError as exc:
+            logger.warning("no token socket (%s): replicas stream chunks through Ray", exc)
+            return None
+        self._address = StreamAddress(self.node_id, path, self._secret)
+        return self._address
+
+    async def stream(
+        self, target: ReplicaRequest, send: Callable[[], Any]
+    ) -> AsyncIterator[ReplicaChunk]:
+        """The chunks of `target`, sent with `send()` (a Serve streaming response) after its
+        `reply_to` is set. Leaving early cancels the request in the replica."""
+        target.reply_to = await self.address()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[target.request_id] = queue
+        response, watcher, done, ended = None, None, False, False
+        try:
+            response = send()
+            watcher = asyncio.ensure_future(_watch(response, queue))
+            while True:
+                if ended:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), LAST_CHUNK_S)
+                    except TimeoutError:
+                        raise TokenStreamLost(
+                            "the replica ended the request without its final chunk"
+                        ) from None
+                else:
+                    item = await queue.get()
+                if item is _END:
+                    ended = True
+                    continue
+                if item is _LOST:
+                    raise TokenStreamLost("the replica's token stream closed mid-request")
+                if isinstance(item, BaseException):
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self._queues.pop(target.request_id, None)
+            self._carriers.pop(target.request_id, None)
+            if watcher is not None:
+                watcher.cancel()
+            if response is not None and not done:  # left early (client gone, stopInfer,
+                response.cancel()  # timeout): abort in the replica
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One replica's connection: the secret, then lists of chunks until it closes."""
+        self._connections.add(writer)
+        try:
+            secret = await reader.readexactly(SECRET_BYTES)
+            if not hmac.compare_digest(secret, self._secret):
+                logger.warning("token socket: a connection without the secret was closed")
+                return
+            while True:
+                (size,) = TOKEN_FRAME.unpack(await reader.readexactly(TOKEN_FRAME.size))
+                chunks: list[ReplicaChunk] = pickle.loads(await reader.readexactly(size))
+                self.num_frames += 1
+                self.num_chunks += len(chunks)
+                for chunk in chunks:
+                    queue = self._queues.get(chunk.request_id)
+                    if queue is None:  # already left (client gone): nothing waits for it
+                        continue
+                    queue.put_nowait(chunk)
+                    self._carriers[chunk.request_id] = writer
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the replica closed the connection (stopped, died)
+        except Exception:
+            logger.exception("token socket: a replica's connection failed")
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+            for request_id, carrier in list(self._carriers.items()):
+                if carrier is writer and request_id in self._queues:
+                    self._queues[request_id].put_nowait(_LOST)
+
+    def close(self) -> None:
+        """Stops listening and removes the socket's directory."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._connections):
+            writer.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+async def _watch(response: Any, queue: asyncio.Queue) -> None:
+    """Puts what the request's Ray stream yields (chunks from a replica that does not write to
+    the socket), then _END, or the exception that ended it (a replica that died), into queue."""
+    try:
+        async for chunk in response:
+            queue.put_nowait(chunk)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - handed to the request's reader
+        queue.put_nowait(exc)
+        return
+    with contextlib.suppress(Exception):
+        queue.put_nowait(_END)

@@ -1,0 +1,131 @@
+"""A model replica's side of the ingress token sockets (`ingress/token_inbox.py`).
+
+A request whose `reply_to` names an ingress on this replica's node gets a `Link` to that
+ingress's socket (one connection per ingress, opened by the first such request). Its chunks are
+`put` on the link instead of being yielded through Ray; the link writes everything put during one
+turn of the event loop as one message, so the chunks that one engine step gives this ingress's
+requests (their stream coroutines all wake on the step's hand-over) travel together. A link that
+cannot be opened is tried again after RETRY_S; meanwhile requests stream through Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import time
+
+from serve_app.messages import TOKEN_FRAME, ReplicaChunk, StreamAddress
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 30.0  # after a failed connect, stream through Ray this long before trying again
+
+
+class Link:
+    """One connection to one ingress's token socket."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._pending: list[ReplicaChunk] = []
+        self._scheduled = False
+        self.alive = True
+        self._closed = asyncio.ensure_future(self._watch(reader))
+
+    async def _watch(self, reader: asyncio.StreamReader) -> None:
+        """The ingress never writes: end of file means it closed the connection."""
+        try:
+            await reader.read()
+        except Exception:  # noqa: BLE001 - any failure of the connection closes the link
+            pass
+        self.alive = False
+
+    def put(self, chunk: ReplicaChunk, now: bool = False) -> None:
+        """Sends chunk with the others put in this turn of the event loop; `now` sends them at
+        once (a request's final chunk, before its Ray stream ends)."""
+        self._pending.append(chunk)
+        if now:
+            self.flush()
+        elif not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        chunks, self._pending = self._pending, []
+        if not chunks or not self.alive:
+            return
+        try:
+            data = pickle.dumps(chunks, protocol=pickle.HIGHEST_PROTOCOL)
+            self._writer.write(TOKEN_FRAME.pack(len(data)) + data)
+        except Exception:
+            logger.exception("token socket: writing to the ingress failed")
+            self.close()
+
+    def close(self) -> None:
+        self.alive = False
+        self._closed.cancel()
+        self._writer.close()
+
+
+class TokenOutbox:
+    """The links of one replica, by ingress socket path."""
+
+    def __init__(self, node_id: str | None) -> None:
+        self.node_id = node_id
+        self._links: dict[str, asyncio.Future] = {}
+        self._refused: dict[str, float] = {}  # path -> when a connect last failed
+
+    async def link(self, address: StreamAddress | None) -> Link | None:
+        """The link to `address`, connected on first use; None when the request should stream
+        through Ray (no address, another node, or the socket cannot be reached)."""
+        if address is None or address.node_id is None or address.node_id != self.node_id:
+            return None
+        path = address.path
+        if time.monotonic() - self._refused.get(path, -RETRY_S) < RETRY_S:
+            return None
+        pending = self._links.get(path)
+        if pending is not None and pending.get_loop() is not asyncio.get_running_loop():
+            pending = None  # made on another event loop (tests run one per asyncio.run)
+        if pending is not None and pending.done():
+            link = pending.result()
+            if link is not None and link.alive:
+                return link
+            pending = None
+        if pending is None:
+            pending = self._links[path] = asyncio.ensure_future(self._connect(address))
+        return await asyncio.shield(pending)
+
+    async def _connect(self, address: StreamAddress) -> Link | None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(address.path)
+            writer.write(address.secret)
+        except OSError as exc:
+            logger.warning(
+                "token socket %s unreachable (%s): streaming through Ray for %.0f s",
+                address.path, exc, RETRY_S,
+            )  # fmt: skip
+            self._refused[address.path] = time.monotonic()
+            return None
+        return Link(reader, writer)
+
+    def close(self) -> None:
+        links, self._links = list(self._links.values()), {}
+        for pending in links:
+            try:
+                if not pending.done():
+                    pending.cancel()
+                elif not pending.cancelled() and pending.result() is not None:
+                    pending.result().close()
+            except Exception:  # noqa: BLE001 - at shutdown the event loop may be gone already
+                pass
+
+
+def ray_node_id() -> str | None:
+    """The Ray node this process runs on, when it runs under Ray (None otherwise)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not under Ray
+        return None

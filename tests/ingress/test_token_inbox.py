@@ -1,0 +1,194 @@
+"""The ingress token socket and a replica's links to it, without Ray or a model: what one event
+loop turn puts travels as one frame, nothing without the secret is read, and a request whose
+chunks cannot all arrive ends with an error instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import stat
+
+import pytest
+
+from serve_app.engine.params import SamplingParams
+from serve_app.ingress import token_inbox
+from serve_app.ingress.token_inbox import TokenInbox, TokenStreamLost
+from serve_app.messages import TOKEN_FRAME, ChoiceDelta, ReplicaChunk, ReplicaRequest
+from serve_app.replica.token_outbox import TokenOutbox
+
+NODE = "node-a"
+
+
+def request(request_id: str) -> ReplicaRequest:
+    return ReplicaRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=4))
+
+
+def chunk(request_id: str, token: int, finished: bool = False) -> ReplicaChunk:
+    delta = ChoiceDelta(index=0, token_ids=[token], text=f"<{token}>")
+    return ReplicaChunk(request_id, choices=[delta], finished=finished)
+
+
+class Response:
+    """Stands in for a Serve streaming response: yields `items` (a replica streaming through
+    Ray), then waits for `ended` before it ends; records cancel()."""
+
+    def __init__(self, items=(), fail: BaseException | None = None) -> None:
+        self.items, self.fail = list(items), fail
+        self.ended = asyncio.Event()
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for item in self.items:
+            yield item
+        await self.ended.wait()
+        if self.fail is not None:
+            raise self.fail
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+async def read_all(stream) -> list[ReplicaChunk]:
+    return [c async for c in stream]
+
+
+def test_the_chunks_of_one_loop_turn_travel_as_one_frame_to_each_request():
+    async def run():
+        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        reqs = [request(f"r{i}") for i in range(3)]
+        responses = [Response() for _ in reqs]
+        streams = [
+            inbox.stream(req, lambda r=resp: r) for req, resp in zip(reqs, responses, strict=True)
+        ]
+        readers = [asyncio.ensure_future(read_all(s)) for s in streams]
+        await asyncio.sleep(0.01)  # every request registered and sent with the inbox's address
+        link = await outbox.link(reqs[0].reply_to)
+        assert link is not None and reqs[0].reply_to.node_id == NODE
+        for step in range(3):  # three engine steps: every request gets a chunk in each
+            for req in reqs:
+                link.put(chunk(req.request_id, step, finished=step == 2))
+            await asyncio.sleep(0.01)
+        for response in responses:
+            response.ended.set()
+        got = await asyncio.gather(*readers)
+        mode = stat.S_IMODE(os.stat(os.path.dirname(reqs[0].reply_to.path)).st_mode)
+        inbox.close()
+        outbox.close()
+        return inbox, got, responses, mode, reqs[0].reply_to.path
+
+    inbox, got, responses, mode, path = asyncio.run(run())
+    for i, chunks in enumerate(got):
+        assert [c.request_id for c in chunks] == [f"r{i}"] * 3
+        assert [c.choices[0].token_ids for c in chunks] == [[0], [1], [2]]
+        assert [c.finished for c in chunks] == [False, False, True]
+    assert inbox.num_frames == 3 and inbox.num_chunks == 9  # one frame per step, not per chunk
+    assert not any(r.cancelled for r in responses)  # finished: nothing to cancel
+    assert mode == 0o700 and not os.path.exists(path)  # private, and removed by close()
+
+
+def test_a_replica_on_another_node_or_without_a_socket_streams_through_ray():
+    async def run():
+        inbox = TokenInbox(NODE)
+        req = request("r1")
+        response = Response([chunk("r1", 7), chunk("r1", 8, finished=True)])
+        response.ended.set()
+        chunks = await read_all(inbox.stream(req, lambda: response))
+        elsewhere = await TokenOutbox("node-b").link(req.reply_to)
+        nowhere = await TokenOutbox(NODE).link(None)
+        inbox.close()
+        return chunks, elsewhere, nowhere, inbox
+
+    chunks, elsewhere, nowhere, inbox = asyncio.run(run())
+    assert [c.choices[0].token_ids for c in chunks] == [[7], [8]] and chunks[-1].finished
+    assert elsewhere is None and nowhere is None and inbox.num_frames == 0
+
+
+def test_a_connection_without_the_secret_is_closed_unread():
+    async def run():
+        inbox = TokenInbox(NODE)
+        req = request("r1")
+        response = Response()
+        reader = asyncio.ensure_future(read_all(inbox.stream(req, lambda: response)))
+        await asyncio.sleep(0.01)
+        sock_reader, writer = await asyncio.open_unix_connection(req.reply_to.path)
+        data = pickle.dumps([chunk("r1", 1, finished=True)])
+        writer.write(b"x" * 16 + TOKEN_FRAME.pack(len(data)) + data)
+        closed = await asyncio.wait_for(sock_reader.read(), 2)  # the inbox hangs up: b""
+        await asyncio.sleep(0.05)
+        pending = not reader.done()
+        reader.cancel()
+        writer.close()
+        inbox.close()
+        return closed, pending, inbox, response
+
+    closed, pending, inbox, response = asyncio.run(run())
+    assert closed == b"" and pending and inbox.num_frames == 0
+    assert response.cancelled  # the request left unfinished: cancelled in the replica
+
+
+def test_a_socket_closed_mid_request_ends_it_with_an_error():
+    async def run():
+        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        req = request("r1")
+        reader = asyncio.ensure_future(read_all(inbox.stream(req, Response)))
+        await asyncio.sleep(0.01)
+        link = await outbox.link(req.reply_to)
+        link.put(chunk("r1", 1))
+        await asyncio.sleep(0.01)
+        link.close()  # the replica's process went away
+        try:
+            await asyncio.wait_for(reader, 2)
+        except TokenStreamLost as exc:
+            return exc
+        finally:
+            inbox.close()
+
+    assert "closed mid-request" in str(asyncio.run(run()))
+
+
+def test_a_final_chunk_that_never_comes_is_an_error_not_a_hang(monkeypatch):
+    monkeypatch.setattr(token_inbox, "LAST_CHUNK_S", 0.1)
+
+    async def run():
+        inbox = TokenInbox(NODE)
+        response = Response()
+        response.ended.set()  # the Ray stream ends at once, no chunk came through the socket
+        try:
+            await asyncio.wait_for(read_all(inbox.stream(request("r1"), lambda: response)), 2)
+        finally:
+            inbox.close()
+
+    with pytest.raises(TokenStreamLost, match="without its final chunk"):
+        asyncio.run(run())
+
+
+def test_a_replica_failure_through_ray_is_raised_to_the_request():
+    async def run():
+        inbox = TokenInbox(NODE)
+        response = Response([chunk("r1", 1)], fail=RuntimeError("replica died"))
+        response.ended.set()
+        try:
+            await read_all(inbox.stream(request("r1"), lambda: response))
+        finally:
+            inbox.close()
+
+    with pytest.raises(RuntimeError, match="replica died"):
+        asyncio.run(run())
+
+
+def test_leaving_early_cancels_the_request_in_the_replica():
+    async def run():
+        inbox = TokenInbox(NODE)
+        response = Response([chunk("r1", 1)])
+        stream = inbox.stream(request("r1"), lambda: response)
+        first = await stream.__anext__()
+        await stream.aclose()
+        inbox.close()
+        return first, response
+
+    first, response = asyncio.run(run())
+    assert first.choices[0].token_ids == [1] and response.cancelled
