@@ -96,12 +96,14 @@ TOKEN_FRAME = struct.Struct("!I")
 
 @dataclass(slots=True)
 class StreamAddress:
-    """Where a replica on the same node may write a request's chunks instead of yielding them
-    through Ray: the ingress's token socket (`ingress/token_inbox.py`). `secret` opens it."""
+    """Where a replica may write a request's chunks instead of yielding them through Ray: the
+    ingress's token socket (`ingress/token_inbox.py`). `secret` opens it."""
 
-    node_id: str | None  # the Ray node of the ingress; replicas elsewhere stream through Ray
-    path: str  # a Unix socket
+    node_id: str | None  # the Ray node of the ingress: replicas there use the Unix socket
+    path: str  # the Unix socket
     secret: bytes
+    host: str | None = None  # with tokenStream "tcp": where replicas on other nodes connect
+    port: int | None = None
 
 
 @dataclass(slots=True)

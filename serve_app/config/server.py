@@ -88,12 +88,14 @@ class ServerConfig(BaseModel):
         ),
     )
     maxRequestLength: int = Field(40, ge=1, le=100, description="Largest request body, in MB.")
-    tokenStream: Literal["socket", "ray"] = Field(
+    tokenStream: Literal["socket", "tcp", "ray"] = Field(
         "socket",
         description=(
-            "(extension) How model replicas send streamed chunks to an ingress on their node: "
-            "socket (a Unix socket per ingress and replica, one write per engine step for all "
-            "its requests) or ray (one Ray Serve message per chunk, as across nodes)."
+            "(extension) How model replicas send streamed chunks to the ingress: socket (from "
+            "the ingress's node, a Unix socket per ingress and replica, one write per engine "
+            "step for all its requests; from other nodes through Ray), tcp (the same, and from "
+            "other nodes over TCP to the ingress's node address) or ray (one Ray Serve message "
+            "per chunk)."
         ),
     )
 

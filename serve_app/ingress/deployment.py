@@ -55,9 +55,12 @@ class Ingress:
 
 
 def _token_inbox(config: AppConfig) -> TokenInbox | None:
-    """The ingress's token socket unless ServerConfig.tokenStream is "ray"."""
-    if config.ServerConfig.tokenStream != "socket":
+    """The ingress's token socket unless ServerConfig.tokenStream is "ray"; with "tcp" it also
+    listens on this node's address as Ray knows it, for replicas on other nodes."""
+    mode = config.ServerConfig.tokenStream
+    if mode == "ray":
         return None
     import ray
 
-    return TokenInbox(ray.get_runtime_context().get_node_id())
+    host = ray.util.get_node_ip_address() if mode == "tcp" else None
+    return TokenInbox(ray.get_runtime_context().get_node_id(), tcp_host=host)

@@ -50,13 +50,15 @@ class TokenStreamLost(ConnectionError):
 class TokenInbox:
     """One per ingress process. `stream` runs one request through it."""
 
-    def __init__(self, node_id: str | None) -> None:
+    def __init__(self, node_id: str | None, tcp_host: str | None = None) -> None:
+        """node_id: the Ray node of this ingress (replicas there connect to the Unix socket).
+        tcp_host: also listen on this address for replicas on other nodes (tokenStream tcp)."""
         self.node_id = node_id
+        self.tcp_host = tcp_host
         self._queues: dict[str, asyncio.Queue] = {}
         self._secret = secrets.token_bytes(SECRET_BYTES)
-        self._address: StreamAddress | None = None
         self._starting: asyncio.Future | None = None
-        self._server: asyncio.base_events.Server | None = None
+        self._servers: list[asyncio.base_events.Server] = []
         self._dir: str | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         # the connection that carries each running request's chunks, once one came through it
@@ -75,12 +77,23 @@ class TokenInbox:
         try:
             self._dir = tempfile.mkdtemp(prefix="serve_app-tokens-")  # mode 0700
             path = os.path.join(self._dir, "inbox.sock")
-            self._server = await asyncio.start_unix_server(self._serve, path=path)
+            self._servers.append(await asyncio.start_unix_server(self._serve, path=path))
         except OSError as exc:
             logger.warning("no token socket (%s): replicas stream chunks through Ray", exc)
             return None
-        self._address = StreamAddress(self.node_id, path, self._secret)
-        return self._address
+        address = StreamAddress(self.node_id, path, self._secret)
+        if self.tcp_host is not None:
+            try:
+                server = await asyncio.start_server(self._serve, host=self.tcp_host, port=0)
+            except OSError as exc:
+                logger.warning(
+                    "no TCP token socket on %s (%s): replicas on other nodes stream through Ray",
+                    self.tcp_host, exc,
+                )  # fmt: skip
+            else:
+                self._servers.append(server)
+                address.host, address.port = self.tcp_host, server.sockets[0].getsockname()[1]
+        return address
 
     async def stream(
         self, target: ReplicaRequest, send: Callable[[], Any]
@@ -155,8 +168,8 @@ class TokenInbox:
 
     def close(self) -> None:
         """Stops listening and removes the socket's directory."""
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         for writer in list(self._connections):
             writer.close()
         if self._dir is not None:

@@ -1,7 +1,8 @@
 """A model replica's side of the ingress token sockets (`ingress/token_inbox.py`).
 
-A request whose `reply_to` names an ingress on this replica's node gets a `Link` to that
-ingress's socket (one connection per ingress, opened by the first such request). Its chunks are
+A request whose `reply_to` names an ingress on this replica's node (or, with tokenStream "tcp",
+on any node) gets a `Link` to that ingress's socket (one connection per ingress, opened by the
+first such request). Its chunks are
 `put` on the link instead of being yielded through Ray; the link writes everything put during one
 turn of the event loop as one message, so the chunks that one engine step gives this ingress's
 requests (their stream coroutines all wake on the step's hand-over) travel together. A link that
@@ -78,10 +79,16 @@ class TokenOutbox:
 
     async def link(self, address: StreamAddress | None) -> Link | None:
         """The link to `address`, connected on first use; None when the request should stream
-        through Ray (no address, another node, or the socket cannot be reached)."""
-        if address is None or address.node_id is None or address.node_id != self.node_id:
+        through Ray (no address, another node without the TCP socket, or the socket cannot be
+        reached)."""
+        if address is None:
             return None
-        path = address.path
+        if address.node_id is not None and address.node_id == self.node_id:
+            path = address.path  # the Unix socket
+        elif address.port is not None:
+            path = f"{address.host}:{address.port}"
+        else:
+            return None
         if time.monotonic() - self._refused.get(path, -RETRY_S) < RETRY_S:
             return None
         pending = self._links.get(path)
@@ -93,19 +100,22 @@ class TokenOutbox:
                 return link
             pending = None
         if pending is None:
-            pending = self._links[path] = asyncio.ensure_future(self._connect(address))
+            pending = self._links[path] = asyncio.ensure_future(self._connect(address, path))
         return await asyncio.shield(pending)
 
-    async def _connect(self, address: StreamAddress) -> Link | None:
+    async def _connect(self, address: StreamAddress, path: str) -> Link | None:
         try:
-            reader, writer = await asyncio.open_unix_connection(address.path)
+            if path == address.path:
+                reader, writer = await asyncio.open_unix_connection(path)
+            else:
+                reader, writer = await asyncio.open_connection(address.host, address.port)
             writer.write(address.secret)
         except OSError as exc:
             logger.warning(
                 "token socket %s unreachable (%s): streaming through Ray for %.0f s",
-                address.path, exc, RETRY_S,
+                path, exc, RETRY_S,
             )  # fmt: skip
-            self._refused[address.path] = time.monotonic()
+            self._refused[path] = time.monotonic()
             return None
         return Link(reader, writer)
 

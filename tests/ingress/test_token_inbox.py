@@ -56,9 +56,14 @@ async def read_all(stream) -> list[ReplicaChunk]:
     return [c async for c in stream]
 
 
-def test_the_chunks_of_one_loop_turn_travel_as_one_frame_to_each_request():
+@pytest.mark.parametrize(
+    "replica_node, tcp_host",
+    [(NODE, None), ("node-b", "127.0.0.1")],  # the Unix socket; TCP from another node
+    ids=["unix", "tcp"],
+)
+def test_the_chunks_of_one_loop_turn_travel_as_one_frame_to_each_request(replica_node, tcp_host):
     async def run():
-        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        inbox, outbox = TokenInbox(NODE, tcp_host=tcp_host), TokenOutbox(replica_node)
         reqs = [request(f"r{i}") for i in range(3)]
         responses = [Response() for _ in reqs]
         streams = [
@@ -81,6 +86,7 @@ def test_the_chunks_of_one_loop_turn_travel_as_one_frame_to_each_request():
         return inbox, got, responses, mode, reqs[0].reply_to.path
 
     inbox, got, responses, mode, path = asyncio.run(run())
+    assert inbox.tcp_host == tcp_host
     for i, chunks in enumerate(got):
         assert [c.request_id for c in chunks] == [f"r{i}"] * 3
         assert [c.choices[0].token_ids for c in chunks] == [[0], [1], [2]]
@@ -107,14 +113,19 @@ def test_a_replica_on_another_node_or_without_a_socket_streams_through_ray():
     assert elsewhere is None and nowhere is None and inbox.num_frames == 0
 
 
-def test_a_connection_without_the_secret_is_closed_unread():
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_connection_without_the_secret_is_closed_unread(transport):
     async def run():
-        inbox = TokenInbox(NODE)
+        inbox = TokenInbox(NODE, tcp_host="127.0.0.1")
         req = request("r1")
         response = Response()
         reader = asyncio.ensure_future(read_all(inbox.stream(req, lambda: response)))
         await asyncio.sleep(0.01)
-        sock_reader, writer = await asyncio.open_unix_connection(req.reply_to.path)
+        address = req.reply_to
+        if transport == "unix":
+            sock_reader, writer = await asyncio.open_unix_connection(address.path)
+        else:
+            sock_reader, writer = await asyncio.open_connection(address.host, address.port)
         data = pickle.dumps([chunk("r1", 1, finished=True)])
         writer.write(b"x" * 16 + TOKEN_FRAME.pack(len(data)) + data)
         closed = await asyncio.wait_for(sock_reader.read(), 2)  # the inbox hangs up: b""
