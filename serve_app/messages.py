@@ -101,7 +101,7 @@ class StreamAddress:
 
     node_id: str | None  # the Ray node of the ingress: replicas there use the Unix socket
     path: str  # the Unix socket
-    secret: bytes
+    secret: bytes = field(repr=False)
     host: str | None = None  # with tokenStream "tcp": where replicas on other nodes connect
     port: int | None = None
 

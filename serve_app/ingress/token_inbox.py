@@ -38,6 +38,7 @@ SECRET_BYTES = 16
 # After a request's Ray stream ended, how long its final chunk may take to come through the
 # socket: the replica writes it before its stream ends, so this is only a guard against a lost one.
 LAST_CHUNK_S = 10.0
+SECRET_WAIT_S = 5.0  # a connection that has not sent the secret by then is closed
 
 _END = object()  # the request's Ray stream ended (its chunks came, or come, through the socket)
 _LOST = object()  # the connection that carried the request's chunks closed before its last
@@ -124,23 +125,28 @@ class TokenInbox:
                     raise TokenStreamLost("the replica's token stream closed mid-request")
                 if isinstance(item, BaseException):
                     raise item
-                done = item.finished
+                if item.finished:  # the request is over: forget it now, the caller may not
+                    done = True  # close this generator after the last chunk
+                    self._forget(target.request_id, watcher)
                 yield item
                 if done:
                     return
         finally:
-            self._queues.pop(target.request_id, None)
-            self._carriers.pop(target.request_id, None)
-            if watcher is not None:
-                watcher.cancel()
+            self._forget(target.request_id, watcher)
             if response is not None and not done:  # left early (client gone, stopInfer,
                 response.cancel()  # timeout): abort in the replica
+
+    def _forget(self, request_id: str, watcher: asyncio.Future | None) -> None:
+        self._queues.pop(request_id, None)
+        self._carriers.pop(request_id, None)
+        if watcher is not None:
+            watcher.cancel()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One replica's connection: the secret, then lists of chunks until it closes."""
         self._connections.add(writer)
         try:
-            secret = await reader.readexactly(SECRET_BYTES)
+            secret = await asyncio.wait_for(reader.readexactly(SECRET_BYTES), SECRET_WAIT_S)
             if not hmac.compare_digest(secret, self._secret):
                 logger.warning("token socket: a connection without the secret was closed")
                 return
@@ -155,8 +161,8 @@ class TokenInbox:
                         continue
                     queue.put_nowait(chunk)
                     self._carriers[chunk.request_id] = writer
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the replica closed the connection (stopped, died)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass  # the replica closed the connection (stopped, died), or sent no secret in time
         except Exception:
             logger.exception("token socket: a replica's connection failed")
         finally:

@@ -241,7 +241,8 @@ class ModelReplica:
         if link is None or not link.alive:
             yield self._final(final)
         else:
-            link.put(self._final(final), now=True)  # before this Ray stream ends
+            link.put(self._final(final), now=True)  # written before this Ray stream ends
+            await link.drain()
 
     def _final(self, chunk: ReplicaChunk) -> ReplicaChunk:
         chunk.stats = self.engine.stats()

@@ -12,25 +12,36 @@ cannot be opened is tried again after RETRY_S; meanwhile requests stream through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
+import socket
 import time
+from collections.abc import Callable
 
 from serve_app.messages import TOKEN_FRAME, ReplicaChunk, StreamAddress
 
 logger = logging.getLogger(__name__)
 
 RETRY_S = 30.0  # after a failed connect, stream through Ray this long before trying again
+CONNECT_S = 2.0  # a connect that takes longer (a firewall dropping packets) counts as failed
+DRAIN_S = 5.0  # how long a request's last chunk may wait for the socket to take it
 
 
 class Link:
-    """One connection to one ingress's token socket."""
+    """One connection to one ingress's token socket. `on_close` runs once it is closed."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_close: Callable[[Link], None] = lambda link: None,
+    ) -> None:
         self._writer = writer
         self._pending: list[ReplicaChunk] = []
         self._scheduled = False
         self.alive = True
+        self._on_close = on_close
         self._closed = asyncio.ensure_future(self._watch(reader))
 
     async def _watch(self, reader: asyncio.StreamReader) -> None:
@@ -40,6 +51,15 @@ class Link:
         except Exception:  # noqa: BLE001 - any failure of the connection closes the link
             pass
         self.alive = False
+        self._writer.close()  # not only half-closed: the socket is released
+        self._on_close(self)
+
+    async def drain(self) -> None:
+        """Waits (at most DRAIN_S) until the socket has taken what was written: a request's
+        final chunk is on its way before the request's Ray stream ends."""
+        if self.alive:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._writer.drain(), DRAIN_S)
 
     def put(self, chunk: ReplicaChunk, now: bool = False) -> None:
         """Sends chunk with the others put in this turn of the event loop; `now` sends them at
@@ -67,6 +87,7 @@ class Link:
         self.alive = False
         self._closed.cancel()
         self._writer.close()
+        self._on_close(self)
 
 
 class TokenOutbox:
@@ -106,21 +127,32 @@ class TokenOutbox:
     async def _connect(self, address: StreamAddress, path: str) -> Link | None:
         try:
             if path == address.path:
-                reader, writer = await asyncio.open_unix_connection(path)
+                connect = asyncio.open_unix_connection(path)
             else:
-                reader, writer = await asyncio.open_connection(address.host, address.port)
+                connect = asyncio.open_connection(address.host, address.port)
+            reader, writer = await asyncio.wait_for(connect, CONNECT_S)
+            if path != address.path:
+                _keep_alive(writer)
             writer.write(address.secret)
-        except OSError as exc:
+        except (OSError, TimeoutError) as exc:
             logger.warning(
-                "token socket %s unreachable (%s): streaming through Ray for %.0f s",
+                "token socket %s unreachable (%r): streaming through Ray for %.0f s",
                 path, exc, RETRY_S,
             )  # fmt: skip
             self._refused[path] = time.monotonic()
             return None
-        return Link(reader, writer)
+
+        def forget(link: Link) -> None:  # a closed link's entry goes (its ingress may be gone)
+            pending = self._links.get(path)
+            if pending is not None and pending.done() and not pending.cancelled():
+                if pending.result() is link:
+                    del self._links[path]
+
+        return Link(reader, writer, forget)
 
     def close(self) -> None:
         links, self._links = list(self._links.values()), {}
+        self._refused.clear()
         for pending in links:
             try:
                 if not pending.done():
@@ -129,6 +161,17 @@ class TokenOutbox:
                     pending.result().close()
             except Exception:  # noqa: BLE001 - at shutdown the event loop may be gone already
                 pass
+
+
+def _keep_alive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive probes after 10 s of silence, every 5 s, 3 unanswered: a dead ingress node
+    closes the link within ~25 s, so its requests end and free their KV blocks."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
 def ray_node_id() -> str | None:

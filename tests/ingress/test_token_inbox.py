@@ -203,3 +203,71 @@ def test_leaving_early_cancels_the_request_in_the_replica():
 
     first, response = asyncio.run(run())
     assert first.choices[0].token_ids == [1] and response.cancelled
+
+
+def test_a_request_is_forgotten_once_its_final_chunk_is_out():
+    """The pipeline does not close a stream that ended with its final chunk: nothing of the
+    request may stay behind in the inbox until the generator is garbage collected."""
+
+    async def run():
+        inbox = TokenInbox(NODE)
+        response = Response([chunk("r1", 1, finished=True)])
+        stream = inbox.stream(request("r1"), lambda: response)
+        final = await stream.__anext__()  # and the caller never closes it
+        left = dict(inbox._queues), dict(inbox._carriers)
+        inbox.close()
+        return final, left
+
+    final, (queues, carriers) = asyncio.run(run())
+    assert final.finished and queues == {} and carriers == {}
+
+
+def test_the_replica_releases_and_forgets_the_link_of_an_ingress_that_went_away():
+    async def run():
+        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        link = await outbox.link(await inbox.address())
+        inbox.close()
+        for _ in range(100):
+            if not outbox._links:
+                break
+            await asyncio.sleep(0.01)
+        return link, dict(outbox._links)
+
+    link, links = asyncio.run(run())
+    assert not link.alive and links == {} and link._writer.is_closing()
+
+
+def test_a_connection_that_sends_no_secret_is_closed_after_a_while(monkeypatch):
+    monkeypatch.setattr(token_inbox, "SECRET_WAIT_S", 0.1)
+
+    async def run():
+        inbox = TokenInbox(NODE, tcp_host="127.0.0.1")
+        address = await inbox.address()
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        closed = await asyncio.wait_for(reader.read(), 2)  # b"": the inbox hung up
+        writer.close()
+        inbox.close()
+        return closed
+
+    assert asyncio.run(run()) == b""
+
+
+def test_a_connect_that_hangs_streams_through_ray_instead(monkeypatch):
+    from serve_app.replica import token_outbox
+
+    async def never(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(token_outbox, "CONNECT_S", 0.05)
+    monkeypatch.setattr(token_outbox.asyncio, "open_connection", never)
+
+    async def run():
+        inbox = TokenInbox(NODE, tcp_host="127.0.0.1")
+        address = await inbox.address()
+        start = asyncio.get_running_loop().time()
+        link = await TokenOutbox("node-b").link(address)
+        inbox.close()
+        return link, asyncio.get_running_loop().time() - start
+
+    link, took = asyncio.run(run())
+    assert link is None and took < 1
