@@ -19,6 +19,7 @@ it sends is unpickled.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import hmac
 import logging
@@ -77,6 +78,8 @@ class TokenInbox:
     async def _start(self) -> StreamAddress | None:
         try:
             self._dir = tempfile.mkdtemp(prefix="serve_app-tokens-")  # mode 0700
+            # also when the process exits without the ingress's __del__ (Ray stopping it)
+            atexit.register(shutil.rmtree, self._dir, True)
             path = os.path.join(self._dir, "inbox.sock")
             self._servers.append(await asyncio.start_unix_server(self._serve, path=path))
         except OSError as exc:

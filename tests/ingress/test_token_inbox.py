@@ -271,3 +271,19 @@ def test_a_connect_that_hangs_streams_through_ray_instead(monkeypatch):
 
     link, took = asyncio.run(run())
     assert link is None and took < 1
+
+
+def test_the_socket_directory_goes_when_the_process_exits_without_close():
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio\n"
+        "from serve_app.ingress.token_inbox import TokenInbox\n"
+        "async def main():\n"
+        "    print((await TokenInbox('n').address()).path)\n"
+        "asyncio.run(main())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    path = run.stdout.strip()
+    assert path.endswith("inbox.sock") and not os.path.exists(os.path.dirname(path))
