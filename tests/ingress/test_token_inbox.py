@@ -70,7 +70,8 @@ def test_the_chunks_of_one_loop_turn_travel_as_one_frame_to_each_request(replica
             inbox.stream(req, lambda r=resp: r) for req, resp in zip(reqs, responses, strict=True)
         ]
         readers = [asyncio.ensure_future(read_all(s)) for s in streams]
-        await asyncio.sleep(0.01)  # every request registered and sent with the inbox's address
+        while not all(req.reply_to for req in reqs):  # registered, sent with the address
+            await asyncio.sleep(0.01)
         link = await outbox.link(reqs[0].reply_to)
         assert link is not None and reqs[0].reply_to.node_id == NODE
         for step in range(3):  # three engine steps: every request gets a chunk in each
