@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import hmac
 import logging
 import os
@@ -196,6 +195,5 @@ async def _watch(response: Any, queue: asyncio.Queue) -> None:
         raise
     except BaseException as exc:  # noqa: BLE001 - handed to the request's reader
         queue.put_nowait(exc)
-        return
-    with contextlib.suppress(Exception):
+    else:
         queue.put_nowait(_END)
