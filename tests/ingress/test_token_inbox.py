@@ -56,6 +56,23 @@ async def read_all(stream) -> list[ReplicaChunk]:
     return [c async for c in stream]
 
 
+def read_one_request(response: Response) -> list[ReplicaChunk]:
+    """The chunks of one request through a fresh inbox whose replica answers `response`,
+    which has already ended (at most 2 s)."""
+
+    async def run():
+        inbox = TokenInbox(NODE)
+        response.ended.set()
+        try:
+            return await asyncio.wait_for(
+                read_all(inbox.stream(request("r1"), lambda: response)), 2
+            )
+        finally:
+            inbox.close()
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     "replica_node, tcp_host",
     [(NODE, None), ("node-b", "127.0.0.1")],  # the Unix socket; TCP from another node
@@ -164,32 +181,13 @@ def test_a_socket_closed_mid_request_ends_it_with_an_error():
 
 def test_a_final_chunk_that_never_comes_is_an_error_not_a_hang(monkeypatch):
     monkeypatch.setattr(token_inbox, "LAST_CHUNK_S", 0.1)
-
-    async def run():
-        inbox = TokenInbox(NODE)
-        response = Response()
-        response.ended.set()  # the Ray stream ends at once, no chunk came through the socket
-        try:
-            await asyncio.wait_for(read_all(inbox.stream(request("r1"), lambda: response)), 2)
-        finally:
-            inbox.close()
-
     with pytest.raises(TokenStreamLost, match="without its final chunk"):
-        asyncio.run(run())
+        read_one_request(Response())  # the Ray stream ends, no chunk came through the socket
 
 
 def test_a_replica_failure_through_ray_is_raised_to_the_request():
-    async def run():
-        inbox = TokenInbox(NODE)
-        response = Response([chunk("r1", 1)], fail=RuntimeError("replica died"))
-        response.ended.set()
-        try:
-            await read_all(inbox.stream(request("r1"), lambda: response))
-        finally:
-            inbox.close()
-
     with pytest.raises(RuntimeError, match="replica died"):
-        asyncio.run(run())
+        read_one_request(Response([chunk("r1", 1)], fail=RuntimeError("replica died")))
 
 
 def test_leaving_early_cancels_the_request_in_the_replica():
