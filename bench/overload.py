@@ -41,7 +41,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from common import RESULTS_DIR, Run, log, machine_info, percentile_ms, random_token_ids  # noqa: E402
-from serve import Record, send  # noqa: E402  (bench/serve.py: one streamed request)
+from serve import Record, send, session  # noqa: E402  (bench/serve.py: one streamed request)
 
 ROOT = HERE.parent
 REFUSED = ("HTTP 503", "HTTP 429")
@@ -182,7 +182,7 @@ async def capacity(url: str, args, bodies: Bodies) -> tuple[list[Record], float]
     """Closed loop at --concurrency for --capacity-s: (records, wall seconds)."""
     records: list[Record] = []
     stop_at = time.perf_counter() + args.capacity_s
-    async with httpx.AsyncClient(timeout=None, limits=_limits()) as client:
+    async with session(None, None) as client:
 
         async def worker() -> None:
             while time.perf_counter() < stop_at:
@@ -197,7 +197,7 @@ async def overload(url: str, args, bodies: Bodies, rate: float, rss: list) -> li
     """Poisson arrivals at `rate` for --duration, nothing held back on the client."""
     records: list[Record] = []
     arrivals = random.Random(f"{args.seed}:arrivals")
-    async with httpx.AsyncClient(timeout=None, limits=_limits()) as client:
+    async with session(None, None) as client:
 
         async def one(body: dict) -> None:
             records.append(await send(client, url, body, args.timeout))
@@ -222,10 +222,6 @@ async def overload(url: str, args, bodies: Bodies, rate: float, rss: list) -> li
         stop.set()
         await sampler
     return records
-
-
-def _limits() -> httpx.Limits:
-    return httpx.Limits(max_connections=None, max_keepalive_connections=64)
 
 
 # -- figures --------------------------------------------------------------------------------------

@@ -247,6 +247,35 @@ LEVEL_KEYS = {
 }  # fmt: skip
 
 
+def test_send_records_http_errors_refused_connections_and_timeouts(sb, base_url):
+    """Every way a request fails ends in its Record, never in an exception out of send."""
+
+    async def run() -> list:
+        async with sb.session(4, 30) as client:
+            url = base_url + "/completions"
+            ok = {"model": "demo", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+            bad = {**ok, "max_tokens": -1}
+            with socket.socket() as s:  # a port nobody listens on
+                s.bind(("127.0.0.1", 0))
+                closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1/completions"
+            slow = {**ok, "max_tokens": 16, "ignore_eos": True}
+            return [
+                await sb.send(client, url, ok, 30),
+                await sb.send(client, url, bad, 30),
+                await sb.send(client, closed, ok, 30),
+                await sb.send(client, url, slow, 0.001),
+            ]
+
+    import asyncio
+
+    ok, bad, refused, late = asyncio.run(run())
+    assert ok.error is None and ok.done and ok.tokens == 4 and ok.ttft > 0
+    assert bad.error.startswith("HTTP 400") and "max_tokens" in bad.error and not bad.done
+    assert refused.error.startswith("ClientConnectorError") and not refused.timed_out
+    assert late.timed_out and late.error == "timeout after 0.001 s"
+    assert all(r.end >= r.start for r in (ok, bad, refused, late))
+
+
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_sweep_against_the_app(sb, base_url, tmp_path, api):
     out = tmp_path / f"serve-{api}.json"
