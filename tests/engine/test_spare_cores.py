@@ -1,10 +1,12 @@
 """Helper threads on spare cores (engineSpareCpus, csrc/spare_cores.h): a GEMM shared with them
-gives exactly the caller's own result, whoever computes which chunk, also when the caller
-takes chunks back from late helpers; the engine process starts them at idle priority."""
+or a decode attention shared with them gives exactly the caller's own result, whoever computes
+which chunk, also when the caller takes chunks back from late helpers; the engine process
+starts them at idle priority."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 
 import pytest
@@ -40,9 +42,9 @@ def helpers():
     assert use_spare_cpus([]) == 0
 
 
-def _cases():
-    """(layer, x, other, epilogue) for each dtype, one row and many (prefill slices), with and
-    without a bias, each epilogue; wide enough to make many chunks at any row count."""
+def _gemm_cases():
+    """GEMM calls, each as a function of nothing: each dtype, one row and many (prefill
+    slices), with and without a bias, each epilogue, wide enough to make many chunks."""
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         weight = torch.randn(9005, 64).to(dtype)  # a last block of 13 columns
@@ -51,25 +53,42 @@ def _cases():
                 layer = cpu_gemm.StreamedLinear(weight, bias)
                 x = torch.randn(rows, 64).to(dtype)
                 other = torch.randn(rows, 9005).to(dtype)
-                yield layer, x, None, 0
-                yield layer, x, other, 1
-                yield layer, x, other, 2
+                for epilogue in (0, 1, 2):
+                    yield functools.partial(
+                        layer.kernel, x, layer.packed, layer.out_features, layer.bias,
+                        other if epilogue else None, epilogue,
+                    )  # fmt: skip
+
+
+def _attention_cases():
+    """Decode attention calls: each dtype, long contexts (many chunks), grouped queries with
+    a vectorised head size and with another."""
+    torch.manual_seed(0)
+    attention = cpu_kernels.op("paged_decode_attention")
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, kv_heads, head_dim in ((8, 2, 64), (6, 2, 80)):
+            lens = torch.randint(1, 1500, (24,))
+            width = -(-1500 // 16)
+            k, v = (torch.randn(24 * width, 16, kv_heads, head_dim).to(dtype) for _ in "kv")
+            tables = torch.randperm(24 * width).view(24, width)
+            q = torch.randn(24, heads, head_dim).to(dtype)
+            yield functools.partial(attention, q, k, v, tables, lens, head_dim**-0.5)
+
+
+CASES = {"gemm": _gemm_cases, "attention": _attention_cases}
 
 
 def _run(cases):
     with torch.inference_mode():
-        return [
-            layer.kernel(x, layer.packed, layer.out_features, layer.bias, other, epilogue)
-            for layer, x, other, epilogue in cases
-        ]
+        return [case() for case in cases]
 
 
-def _exactly_the_callers_own(delays, counter):
-    """Runs the cases with helpers (delays as use_spare_cpus takes them) until stats()[counter]
-    moved, at most 5 times, each time checking every result bit for bit against the caller's
-    own; how much it moved. (A helper at idle priority may get no time at all while another
-    process keeps its core busy: the rounds give it more chances.)"""
-    cases = list(_cases())
+def _exactly_the_callers_own(kernel, delays, counter):
+    """Runs `kernel`'s cases with helpers (delays as use_spare_cpus takes them) until
+    stats()[counter] moved, at most 5 times, each time checking every result bit for bit
+    against the caller's own; how much it moved. (A helper at idle priority may get no time at
+    all while another process keeps its core busy: the rounds give it more chances.)"""
+    cases = list(CASES[kernel]())
     alone = _run(cases)
     before = stats()
     for _ in range(5):
@@ -85,15 +104,17 @@ def _exactly_the_callers_own(delays, counter):
     return stats()[counter] - before[counter]
 
 
-def test_helpers_compute_chunks_in_place_of_the_caller():
+@pytest.mark.parametrize("kernel", ["gemm", "attention"])
+def test_helpers_compute_chunks_in_place_of_the_caller(kernel):
     # the caller's thread sleeps before each chunk: helpers surely get some
-    assert _exactly_the_callers_own((0, 2000), counter=1) > 0
+    assert _exactly_the_callers_own(kernel, (0, 2000), counter=1) > 0
 
 
-def test_the_caller_takes_back_the_chunks_of_late_helpers():
+@pytest.mark.parametrize("kernel", ["gemm", "attention"])
+def test_the_caller_takes_back_the_chunks_of_late_helpers(kernel):
     # helpers sleep 50 ms before each chunk they claim: the caller redoes it and returns, the
     # helper's result is dropped (and the inputs it still reads stay alive until then)
-    assert _exactly_the_callers_own((50_000, 0), counter=2) > 0
+    assert _exactly_the_callers_own(kernel, (50_000, 0), counter=2) > 0
 
 
 def test_a_gemm_too_small_to_share_is_the_callers(helpers):
@@ -110,8 +131,7 @@ def test_helpers_run_at_idle_priority_on_their_core(helpers):
     helpers()
     new = [int(t) for t in set(os.listdir("/proc/self/task")) - own]
     assert any(
-        os.sched_getscheduler(t) == os.SCHED_IDLE and os.sched_getaffinity(t) == {CORE}
-        for t in new
+        os.sched_getscheduler(t) == os.SCHED_IDLE and os.sched_getaffinity(t) == {CORE} for t in new
     )
 
 

@@ -8,6 +8,8 @@
 // then the weighted sum of the value rows with its accumulators in registers. A sequence's
 // first item asks for whole cache rows ahead of their use, so its other heads find them in
 // cache. No key or value is copied out of the cache; the query may be a view with strided rows.
+// Where helper threads run on spare cores (spare_cores.h, ModelConfig engineSpareCpus), the items
+// are shared with them in chunks, each item computed the same way whoever computes it.
 //
 // Built on first use by serve_app/engine/cpu_kernels.py (torch.utils.cpp_extension) and
 // registered as torch.ops.serve_app_cpu.paged_decode_attention.
@@ -19,11 +21,14 @@
 #include <torch/library.h>
 
 #include "elements.h"
+#include "spare_cores.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -125,58 +130,82 @@ float softmax_row(float* s, int64_t len) {
   return 1.0f / total;
 }
 
-// Any head size, in plain loops (head sizes with a vectorised path use decode_attention_vec).
+// What one call attends over: the query, the caches, the sequences' block tables and lengths.
+// Its work items are (sequence, KV head) pairs, item = b * num_kv_heads + h; an item's output is
+// its group of query heads, group * head_dim elements, and consecutive items' outputs are
+// consecutive in the result, so a run of items [begin, end) writes one dense range of it.
 template <typename T>
-void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* tables,
-                      const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
-                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      int64_t table_width, int64_t max_len, float scale) {
-  const int64_t dim = head_dim;
-  const int64_t group = num_heads / num_kv_heads;
+struct Attention {
+  const T* q;
+  int64_t q_stride;
+  const T* k_cache;
+  const T* v_cache;
+  const int64_t* tables;
+  const int64_t* lens;
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, table_width, max_len;
+  float scale;
+
+  int64_t group() const { return num_heads / num_kv_heads; }
+  int64_t items() const { return num_seqs * num_kv_heads; }
+  int64_t item_size() const { return group() * head_dim; }  // output elements per item
+};
+
+// Items [begin, end) of `a`, their outputs from `out` on (item begin's first element).
+template <typename T>
+using Items = void (*)(const Attention<T>& a, int64_t begin, int64_t end, T* out);
+
+// Any head size, in plain loops (head sizes with a vectorised path use vec_items).
+template <typename T>
+void plain_items(const Attention<T>& a, int64_t begin, int64_t end, T* out) {
+  const T *q = a.q, *k_cache = a.k_cache, *v_cache = a.v_cache;
+  const int64_t *tables = a.tables, *lens = a.lens;
+  const int64_t q_stride = a.q_stride, num_kv_heads = a.num_kv_heads, block_size = a.block_size;
+  const int64_t table_width = a.table_width, max_len = a.max_len;
+  const float scale = a.scale;
+  const int64_t dim = a.head_dim;
+  const int64_t group = a.group();
   const int64_t row = num_kv_heads * dim;  // one cached token of one layer
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const FlushDenormals flush;  // this thread's, for its items
-    std::vector<float> query(group * dim);
-    std::vector<float> scores(group * max_len);
-    std::vector<float> acc(group * dim);
-    std::vector<float> inverse(group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads;
-      const int64_t h = item % num_kv_heads;
-      const int64_t len = lens[b];
-      const int64_t* table = tables + b * table_width;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qg = q + b * q_stride + (h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = widen(qg[d]) * scale;
-      }
-      // scores[g, t] = q_g . k_t, block by block
-      for (int64_t first = 0; first < len; first += block_size) {
-        const T* keys = k_cache + table[first / block_size] * block_size * row + h * dim;
-        const int64_t count = std::min(block_size, len - first);
-        for (int64_t i = 0; i < count; ++i) {
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * max_len + first + i] = dot(query.data() + g * dim, keys + i * row, dim);
-        }
-      }
-      // softmax over t, per query head
-      for (int64_t g = 0; g < group; ++g)
-        inverse[g] = softmax_row(scores.data() + g * max_len, len);
-      // out_g = sum_t p[g, t] v_t
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t first = 0; first < len; first += block_size) {
-        const T* values = v_cache + table[first / block_size] * block_size * row + h * dim;
-        const int64_t count = std::min(block_size, len - first);
-        for (int64_t i = 0; i < count; ++i) {
-          for (int64_t g = 0; g < group; ++g)
-            axpy(acc.data() + g * dim, scores[g * max_len + first + i], values + i * row, dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* og = out + (b * num_heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) narrow(og + d, acc[g * dim + d] * inverse[g]);
+  const FlushDenormals flush;  // this thread's, for its items
+  std::vector<float> query(group * dim);
+  std::vector<float> scores(group * max_len);
+  std::vector<float> acc(group * dim);
+  std::vector<float> inverse(group);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / num_kv_heads;
+    const int64_t h = item % num_kv_heads;
+    const int64_t len = lens[b];
+    const int64_t* table = tables + b * table_width;
+    for (int64_t g = 0; g < group; ++g) {
+      const T* qg = q + b * q_stride + (h * group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = widen(qg[d]) * scale;
+    }
+    // scores[g, t] = q_g . k_t, block by block
+    for (int64_t first = 0; first < len; first += block_size) {
+      const T* keys = k_cache + table[first / block_size] * block_size * row + h * dim;
+      const int64_t count = std::min(block_size, len - first);
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t g = 0; g < group; ++g)
+          scores[g * max_len + first + i] = dot(query.data() + g * dim, keys + i * row, dim);
       }
     }
-  });
+    // softmax over t, per query head
+    for (int64_t g = 0; g < group; ++g)
+      inverse[g] = softmax_row(scores.data() + g * max_len, len);
+    // out_g = sum_t p[g, t] v_t
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t first = 0; first < len; first += block_size) {
+      const T* values = v_cache + table[first / block_size] * block_size * row + h * dim;
+      const int64_t count = std::min(block_size, len - first);
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t g = 0; g < group; ++g)
+          axpy(acc.data() + g * dim, scores[g * max_len + first + i], values + i * row, dim);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      T* og = out + ((item - begin) * group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) narrow(og + d, acc[g * dim + d] * inverse[g]);
+    }
+  }
 }
 
 // Lane i of the result: the sum of the i-th pair of lanes H apart in a followed by b (a's pairs,
@@ -294,108 +323,176 @@ void weighted_values(const T* v_cache, const int64_t* table, int64_t len, int64_
 // the whole group of query heads; the weighted sum of values keeps its accumulators in
 // registers, up to four query heads and 4 * kLanes dimensions per pass over the values.
 template <typename T, int64_t kVecs>
-void decode_attention_vec(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
-                          const int64_t* tables, const int64_t* lens, T* out, int64_t num_seqs,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                          int64_t table_width, int64_t max_len, float scale) {
+void vec_items(const Attention<T>& a, int64_t begin, int64_t end, T* out) {
   using Query = typename QueryFor<T, kVecs>::type;
   constexpr int64_t dim = kVecs * kLanes;
-  const int64_t group = num_heads / num_kv_heads;
+  const T *q = a.q, *k_cache = a.k_cache, *v_cache = a.v_cache;
+  const int64_t *tables = a.tables, *lens = a.lens;
+  const int64_t q_stride = a.q_stride, num_kv_heads = a.num_kv_heads, block_size = a.block_size;
+  const int64_t table_width = a.table_width, max_len = a.max_len;
+  const float scale = a.scale;
+  const int64_t group = a.group();
   const int64_t row = num_kv_heads * dim;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const FlushDenormals flush;  // this thread's, for its items
-    std::vector<Query> query(group);
-    std::vector<vf> partial(group * kLanes);
-    std::vector<float> scores(group * (max_len + kLanes)), inverse(group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads;
-      const int64_t h = item % num_kv_heads;
-      const int64_t len = lens[b];
-      const int64_t* table = tables + b * table_width;
-      const int64_t stride = max_len + kLanes;  // room for a whole last chunk
-      // the first item of a sequence (in this thread) brings whole rows, all heads, into cache:
-      // its keys kAhead tokens ahead and its values for the second pass
-      const bool lead = h == 0 || item == begin;
-      auto whole_row = [&](const T* cache, int64_t t) {
-        return cache + (table[t / block_size] * block_size + t % block_size) * row;
-      };
-      for (int64_t g = 0; g < group; ++g)
-        query[g].set(q + b * q_stride + (h * group + g) * dim, scale);
-      for (int64_t first = 0; first < len; first += block_size) {
-        const T* keys = k_cache + table[first / block_size] * block_size * row + h * dim;
-        const int64_t count = std::min(block_size, len - first);
-        for (int64_t chunk = 0; chunk < count; chunk += kLanes) {
-          const int64_t n = std::min(kLanes, count - chunk);
-          for (int64_t i = 0; i < kLanes; ++i) {
-            if (i >= n) {  // past the context: zeros, their sums are never read
-              for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = vf{};
-              continue;
-            }
-            const T* key = keys + (chunk + i) * row;
-            if (lead) {
-              const int64_t t = first + chunk + i;
-              if (t + kAhead < len) prefetch<3>(whole_row(k_cache, t + kAhead), row * sizeof(T));
-              prefetch<3>(whole_row(v_cache, t), row * sizeof(T));
-            }
-            for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = query[g].dot(key);
+  const FlushDenormals flush;  // this thread's, for its items
+  std::vector<Query> query(group);
+  std::vector<vf> partial(group * kLanes);
+  std::vector<float> scores(group * (max_len + kLanes)), inverse(group);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / num_kv_heads;
+    const int64_t h = item % num_kv_heads;
+    const int64_t len = lens[b];
+    const int64_t* table = tables + b * table_width;
+    const int64_t stride = max_len + kLanes;  // room for a whole last chunk
+    // the first item of a sequence (in this thread) brings whole rows, all heads, into cache:
+    // its keys kAhead tokens ahead and its values for the second pass
+    const bool lead = h == 0 || item == begin;
+    auto whole_row = [&](const T* cache, int64_t t) {
+      return cache + (table[t / block_size] * block_size + t % block_size) * row;
+    };
+    for (int64_t g = 0; g < group; ++g)
+      query[g].set(q + b * q_stride + (h * group + g) * dim, scale);
+    for (int64_t first = 0; first < len; first += block_size) {
+      const T* keys = k_cache + table[first / block_size] * block_size * row + h * dim;
+      const int64_t count = std::min(block_size, len - first);
+      for (int64_t chunk = 0; chunk < count; chunk += kLanes) {
+        const int64_t n = std::min(kLanes, count - chunk);
+        for (int64_t i = 0; i < kLanes; ++i) {
+          if (i >= n) {  // past the context: zeros, their sums are never read
+            for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = vf{};
+            continue;
           }
-          for (int64_t g = 0; g < group; ++g) {
-            vf sums = sum_lanes(partial.data() + g * kLanes);
-            if constexpr (Query::kScaledAfter) sums *= scale;
-            std::memcpy(scores.data() + g * stride + first + chunk, &sums, sizeof(sums));
+          const T* key = keys + (chunk + i) * row;
+          if (lead) {
+            const int64_t t = first + chunk + i;
+            if (t + kAhead < len) prefetch<3>(whole_row(k_cache, t + kAhead), row * sizeof(T));
+            prefetch<3>(whole_row(v_cache, t), row * sizeof(T));
           }
+          for (int64_t g = 0; g < group; ++g) partial[g * kLanes + i] = query[g].dot(key);
         }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        inverse[g] = softmax_row(scores.data() + g * stride, len);
-      T* o = out + (b * num_heads + h * group) * dim;
-      for (int64_t g = 0; g < group; g += 4) {
-        const float* p = scores.data() + g * stride;
-        for (int64_t slice = 0; slice < dim; slice += 4 * kLanes) {
-          const int64_t offset = h * dim + slice;
-          T* og = o + g * dim + slice;
-          switch (std::min<int64_t>(4, group - g)) {
-            case 1:
-              weighted_values<T, 1>(v_cache, table, len, block_size, row, offset, p, stride,
-                                    inverse.data() + g, og, dim);
-              break;
-            case 2:
-              weighted_values<T, 2>(v_cache, table, len, block_size, row, offset, p, stride,
-                                    inverse.data() + g, og, dim);
-              break;
-            case 3:
-              weighted_values<T, 3>(v_cache, table, len, block_size, row, offset, p, stride,
-                                    inverse.data() + g, og, dim);
-              break;
-            default:
-              weighted_values<T, 4>(v_cache, table, len, block_size, row, offset, p, stride,
-                                    inverse.data() + g, og, dim);
-          }
+        for (int64_t g = 0; g < group; ++g) {
+          vf sums = sum_lanes(partial.data() + g * kLanes);
+          if constexpr (Query::kScaledAfter) sums *= scale;
+          std::memcpy(scores.data() + g * stride + first + chunk, &sums, sizeof(sums));
         }
       }
     }
-  });
+    for (int64_t g = 0; g < group; ++g)
+      inverse[g] = softmax_row(scores.data() + g * stride, len);
+    T* o = out + (item - begin) * group * dim;
+    for (int64_t g = 0; g < group; g += 4) {
+      const float* p = scores.data() + g * stride;
+      for (int64_t slice = 0; slice < dim; slice += 4 * kLanes) {
+        const int64_t offset = h * dim + slice;
+        T* og = o + g * dim + slice;
+        switch (std::min<int64_t>(4, group - g)) {
+          case 1:
+            weighted_values<T, 1>(v_cache, table, len, block_size, row, offset, p, stride,
+                                  inverse.data() + g, og, dim);
+            break;
+          case 2:
+            weighted_values<T, 2>(v_cache, table, len, block_size, row, offset, p, stride,
+                                  inverse.data() + g, og, dim);
+            break;
+          case 3:
+            weighted_values<T, 3>(v_cache, table, len, block_size, row, offset, p, stride,
+                                  inverse.data() + g, og, dim);
+            break;
+          default:
+            weighted_values<T, 4>(v_cache, table, len, block_size, row, offset, p, stride,
+                                  inverse.data() + g, og, dim);
+        }
+      }
+    }
+  }
 }
 
 template <typename T>
-void dispatch_head_dim(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
-                       const int64_t* tables, const int64_t* lens, T* out, int64_t num_seqs,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t block_size, int64_t table_width, int64_t max_len, float scale) {
-  auto run = [&](auto kernel) {
-    kernel(q, q_stride, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
-           head_dim, block_size, table_width, max_len, scale);
-  };
-  auto run_vec = [&](auto kernel) {
-    kernel(q, q_stride, k_cache, v_cache, tables, lens, out, num_seqs, num_heads, num_kv_heads,
-           block_size, table_width, max_len, scale);
-  };
+Items<T> items_for(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return run_vec(decode_attention_vec<T, 64 / kLanes>);
-    case 128: return run_vec(decode_attention_vec<T, 128 / kLanes>);
-    case 256: return run_vec(decode_attention_vec<T, 256 / kLanes>);
-    default: return run(decode_attention<T>);
+    case 64: return vec_items<T, 64 / kLanes>;
+    case 128: return vec_items<T, 128 / kLanes>;
+    case 256: return vec_items<T, 256 / kLanes>;
+    default: return plain_items<T>;
   }
+}
+
+// Decode attention shared with helpers on spare cores (spare_cores.h), in chunks of whole items
+// of about kChunkWork multiply-adds each, the last 2 * kChunkWork cut in quarters (a caller that
+// takes back a late helper's chunk redoes little). It holds the tensors it reads: a helper whose
+// chunk the caller took back may still compute it after the caller returned.
+constexpr int64_t kChunkWork = 1 << 19;  // ~40-80 us on one core of the machines measured
+
+template <typename T>
+struct SharedAttention final : serve_app_cpu::SharedJob {
+  SharedAttention(const Attention<T>& a, Items<T> items, std::vector<int64_t> bounds, T* out,
+                  std::vector<at::Tensor> keep)
+      : SharedJob(static_cast<int64_t>(bounds.size()) - 1),
+        a(a),
+        items(items),
+        bounds(std::move(bounds)),
+        out(out),
+        keep(std::move(keep)) {}
+
+  // chunk boundaries, in items: an item costs its context length times its heads' dimensions
+  // (query heads for the scores and the values, the KV head's keys)
+  static std::vector<int64_t> cut(const Attention<T>& a) {
+    const int64_t per_token = (a.group() + 1) * a.head_dim;
+    int64_t left = 0;
+    for (int64_t b = 0; b < a.num_seqs; ++b) left += a.lens[b] * per_token * a.num_kv_heads;
+    std::vector<int64_t> bounds{0};
+    int64_t work = 0;
+    for (int64_t item = 0; item < a.items(); ++item) {
+      const int64_t cost = a.lens[item / a.num_kv_heads] * per_token;
+      work += cost;
+      left -= cost;
+      const int64_t budget = left < 2 * kChunkWork ? kChunkWork / 4 : kChunkWork;
+      if (work >= budget && item + 1 < a.items()) {
+        bounds.push_back(item + 1);
+        work = 0;
+      }
+    }
+    bounds.push_back(a.items());
+    return bounds;
+  }
+
+  int64_t size(int64_t c) const { return (bounds[c + 1] - bounds[c]) * a.item_size(); }
+
+  void run(int64_t c) override {
+    items(a, bounds[c], bounds[c + 1], out + bounds[c] * a.item_size());
+  }
+
+  void run_into(int64_t c, std::vector<char>& scratch) override {
+    scratch.resize(static_cast<size_t>(size(c)) * sizeof(T));
+    items(a, bounds[c], bounds[c + 1], reinterpret_cast<T*>(scratch.data()));
+  }
+
+  void commit(int64_t c, const std::vector<char>& scratch) override {
+    std::memcpy(out + bounds[c] * a.item_size(), scratch.data(), size(c) * sizeof(T));
+  }
+
+  const Attention<T> a;
+  const Items<T> items;
+  const std::vector<int64_t> bounds;
+  T* const out;
+  const std::vector<at::Tensor> keep;  // the query, the caches, the tables and lengths
+};
+
+// out = attention over `a`: shared with the helpers when some run and it makes two chunks or
+// more, else on the torch threads alone
+template <typename T>
+void attend(const Attention<T>& a, T* out, std::vector<at::Tensor> keep) {
+  const Items<T> items = items_for<T>(a.head_dim);
+  if (serve_app_cpu::spare_helpers() > 0) {
+    auto bounds = SharedAttention<T>::cut(a);
+    if (bounds.size() > 2) {
+      serve_app_cpu::run_shared(std::make_shared<SharedAttention<T>>(
+          a, items, std::move(bounds), out, std::move(keep)));
+      return;
+    }
+  }
+  at::parallel_for(0, a.items(), 1, [&](int64_t begin, int64_t end) {
+    items(a, begin, end, out + begin * a.item_size());
+  });
 }
 
 // query may be a view with rows apart (e.g. the query heads of a fused q/k/v projection's
@@ -433,19 +530,20 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
     max_len = std::max(max_len, len_data[b]);
   }
   auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
+  std::vector<at::Tensor> keep{q, k_cache, v_cache, tables, lens};
   const float s = static_cast<float>(scale);
+  auto run = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const Attention<T> a{q.data_ptr<T>(), q_stride, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                         tables.data_ptr<int64_t>(), len_data, num_seqs, num_heads, num_kv_heads,
+                         head_dim, block_size, tables.size(1), max_len, s};
+    attend<T>(a, out.data_ptr<T>(), std::move(keep));
+  };
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(q.data_ptr<float>(), q_stride, k_cache.data_ptr<float>(),
-                             v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), len_data,
-                             out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, head_dim,
-                             block_size, tables.size(1), max_len, s);
+    run(static_cast<float*>(nullptr));
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-    dispatch_head_dim<c10::BFloat16>(
-        q.data_ptr<c10::BFloat16>(), q_stride, k_cache.data_ptr<c10::BFloat16>(),
-        v_cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(), len_data,
-        out.data_ptr<c10::BFloat16>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        tables.size(1), max_len, s);
+    run(static_cast<c10::BFloat16*>(nullptr));
   }
   return out;
 }
