@@ -75,7 +75,19 @@ def _attention_cases():
             yield functools.partial(attention, q, k, v, tables, lens, head_dim**-0.5)
 
 
-CASES = {"gemm": _gemm_cases, "attention": _attention_cases}
+def _argmax_cases():
+    """Greedy sampling's argmax over a step's logits: each dtype, a vocabulary-wide row per
+    sequence, ties (the first maximum wins) and a NaN."""
+    torch.manual_seed(0)
+    argmax = cpu_kernels.op("argmax_rows")
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(96, 151936).to(dtype)
+        logits[3, [7, 90000]] = 100.0
+        logits[5, 1234] = float("nan")
+        yield functools.partial(argmax, logits)
+
+
+CASES = {"gemm": _gemm_cases, "attention": _attention_cases, "argmax": _argmax_cases}
 
 
 def _run(cases):
@@ -104,13 +116,13 @@ def _exactly_the_callers_own(kernel, delays, counter):
     return stats()[counter] - before[counter]
 
 
-@pytest.mark.parametrize("kernel", ["gemm", "attention"])
+@pytest.mark.parametrize("kernel", CASES)
 def test_helpers_compute_chunks_in_place_of_the_caller(kernel):
     # the caller's thread sleeps before each chunk: helpers surely get some
     assert _exactly_the_callers_own(kernel, (0, 2000), counter=1) > 0
 
 
-@pytest.mark.parametrize("kernel", ["gemm", "attention"])
+@pytest.mark.parametrize("kernel", CASES)
 def test_the_caller_takes_back_the_chunks_of_late_helpers(kernel):
     # helpers sleep 50 ms before each chunk they claim: the caller redoes it and returns, the
     # helper's result is dropped (and the inputs it still reads stay alive until then)

@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -416,66 +415,33 @@ Items<T> items_for(int64_t head_dim) {
   }
 }
 
-// Decode attention shared with helpers on spare cores (spare_cores.h), in chunks of whole items
-// of about kChunkWork multiply-adds each, the last 2 * kChunkWork cut in quarters (a caller that
-// takes back a late helper's chunk redoes little). It holds the tensors it reads: a helper whose
-// chunk the caller took back may still compute it after the caller returned.
+// Decode attention is shared with helpers on spare cores (spare_cores.h) in chunks of whole
+// items of about kChunkWork multiply-adds each, the last 2 * kChunkWork cut in quarters (a caller
+// that takes back a late helper's chunk redoes little).
 constexpr int64_t kChunkWork = 1 << 19;  // ~40-80 us on one core of the machines measured
 
+// chunk boundaries, in items: an item costs its context length times its heads' dimensions
+// (the query heads' scores and values, the KV head's keys)
 template <typename T>
-struct SharedAttention final : serve_app_cpu::SharedJob {
-  SharedAttention(const Attention<T>& a, Items<T> items, std::vector<int64_t> bounds, T* out,
-                  std::vector<at::Tensor> keep)
-      : SharedJob(static_cast<int64_t>(bounds.size()) - 1),
-        a(a),
-        items(items),
-        bounds(std::move(bounds)),
-        out(out),
-        keep(std::move(keep)) {}
-
-  // chunk boundaries, in items: an item costs its context length times its heads' dimensions
-  // (query heads for the scores and the values, the KV head's keys)
-  static std::vector<int64_t> cut(const Attention<T>& a) {
-    const int64_t per_token = (a.group() + 1) * a.head_dim;
-    int64_t left = 0;
-    for (int64_t b = 0; b < a.num_seqs; ++b) left += a.lens[b] * per_token * a.num_kv_heads;
-    std::vector<int64_t> bounds{0};
-    int64_t work = 0;
-    for (int64_t item = 0; item < a.items(); ++item) {
-      const int64_t cost = a.lens[item / a.num_kv_heads] * per_token;
-      work += cost;
-      left -= cost;
-      const int64_t budget = left < 2 * kChunkWork ? kChunkWork / 4 : kChunkWork;
-      if (work >= budget && item + 1 < a.items()) {
-        bounds.push_back(item + 1);
-        work = 0;
-      }
+std::vector<int64_t> chunk_bounds(const Attention<T>& a) {
+  const int64_t per_token = (a.group() + 1) * a.head_dim;
+  int64_t left = 0;
+  for (int64_t b = 0; b < a.num_seqs; ++b) left += a.lens[b] * per_token * a.num_kv_heads;
+  std::vector<int64_t> bounds{0};
+  int64_t work = 0;
+  for (int64_t item = 0; item < a.items(); ++item) {
+    const int64_t cost = a.lens[item / a.num_kv_heads] * per_token;
+    work += cost;
+    left -= cost;
+    const int64_t budget = left < 2 * kChunkWork ? kChunkWork / 4 : kChunkWork;
+    if (work >= budget && item + 1 < a.items()) {
+      bounds.push_back(item + 1);
+      work = 0;
     }
-    bounds.push_back(a.items());
-    return bounds;
   }
-
-  int64_t size(int64_t c) const { return (bounds[c + 1] - bounds[c]) * a.item_size(); }
-
-  void run(int64_t c) override {
-    items(a, bounds[c], bounds[c + 1], out + bounds[c] * a.item_size());
-  }
-
-  void run_into(int64_t c, std::vector<char>& scratch) override {
-    scratch.resize(static_cast<size_t>(size(c)) * sizeof(T));
-    items(a, bounds[c], bounds[c + 1], reinterpret_cast<T*>(scratch.data()));
-  }
-
-  void commit(int64_t c, const std::vector<char>& scratch) override {
-    std::memcpy(out + bounds[c] * a.item_size(), scratch.data(), size(c) * sizeof(T));
-  }
-
-  const Attention<T> a;
-  const Items<T> items;
-  const std::vector<int64_t> bounds;
-  T* const out;
-  const std::vector<at::Tensor> keep;  // the query, the caches, the tables and lengths
-};
+  bounds.push_back(a.items());
+  return bounds;
+}
 
 // out = attention over `a`: shared with the helpers when some run and it makes two chunks or
 // more, else on the torch threads alone
@@ -483,10 +449,13 @@ template <typename T>
 void attend(const Attention<T>& a, T* out, std::vector<at::Tensor> keep) {
   const Items<T> items = items_for<T>(a.head_dim);
   if (serve_app_cpu::spare_helpers() > 0) {
-    auto bounds = SharedAttention<T>::cut(a);
+    auto bounds = chunk_bounds(a);
     if (bounds.size() > 2) {
-      serve_app_cpu::run_shared(std::make_shared<SharedAttention<T>>(
-          a, items, std::move(bounds), out, std::move(keep)));
+      auto compute = [a, items](int64_t begin, int64_t end, T* into) {
+        items(a, begin, end, into);
+      };
+      serve_app_cpu::run_dense(std::move(bounds), a.item_size(), out, std::move(compute),
+                               std::move(keep));
       return;
     }
   }

@@ -14,7 +14,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace serve_app_cpu {
@@ -42,5 +44,50 @@ int64_t spare_helpers();
 // Runs every chunk of `job` on the caller's torch threads (at::parallel_for) and the helpers;
 // returns once every chunk's result is in place.
 void run_shared(const std::shared_ptr<SharedJob>& job);
+
+// A job whose chunk c computes units [bounds[c], bounds[c + 1]) of a dense output, `unit`
+// elements of T per unit: `compute(begin, end, into)` writes units begin..end-1 from `into` on.
+// `keep` holds what the inputs need to stay alive (a helper may still compute a chunk the caller
+// took back after the caller returned).
+template <typename T, typename Compute, typename Keep>
+class DenseJob final : public SharedJob {
+ public:
+  DenseJob(std::vector<int64_t> bounds, int64_t unit, T* out, Compute compute, Keep keep)
+      : SharedJob(static_cast<int64_t>(bounds.size()) - 1),
+        bounds_(std::move(bounds)),
+        unit_(unit),
+        out_(out),
+        compute_(std::move(compute)),
+        keep_(std::move(keep)) {}
+
+  void run(int64_t c) override { compute_(bounds_[c], bounds_[c + 1], out_ + bounds_[c] * unit_); }
+
+  void run_into(int64_t c, std::vector<char>& scratch) override {
+    scratch.resize(bytes(c));
+    compute_(bounds_[c], bounds_[c + 1], reinterpret_cast<T*>(scratch.data()));
+  }
+
+  void commit(int64_t c, const std::vector<char>& scratch) override {
+    std::memcpy(out_ + bounds_[c] * unit_, scratch.data(), bytes(c));
+  }
+
+ private:
+  size_t bytes(int64_t c) const {
+    return static_cast<size_t>((bounds_[c + 1] - bounds_[c]) * unit_) * sizeof(T);
+  }
+
+  const std::vector<int64_t> bounds_;
+  const int64_t unit_;
+  T* const out_;
+  const Compute compute_;
+  const Keep keep_;
+};
+
+// Runs a DenseJob over `bounds` (two chunks or more) with the helpers; see run_shared.
+template <typename T, typename Compute, typename Keep>
+void run_dense(std::vector<int64_t> bounds, int64_t unit, T* out, Compute compute, Keep keep) {
+  run_shared(std::make_shared<DenseJob<T, Compute, Keep>>(std::move(bounds), unit, out,
+                                                          std::move(compute), std::move(keep)));
+}
 
 }  // namespace serve_app_cpu
