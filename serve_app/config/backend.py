@@ -103,7 +103,8 @@ class ModelConfig(BaseModel):
     engineSpareCpus: str = Field(
         "",
         description=(
-            "(extension) Cores whose idle time the engine process borrows for its CPU GEMMs, e.g. "
+            "(extension) Cores whose idle time the engine process borrows for its CPU GEMMs, "
+            "decode attention and greedy argmax, e.g. "
             "'0' (needs engineProcess: true; not engineCpus): a helper thread per core at the "
             "lowest priority (Linux SCHED_IDLE), which the step never waits for. Empty = none."
         ),

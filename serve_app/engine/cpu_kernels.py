@@ -16,8 +16,9 @@ engine keeps its portable torch path and logs why once. The ops:
   bf16 arithmetic (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM). Built on CPUs with
   AVX-512 or with AVX2 and FMA, where it was measured; `op` says None elsewhere.
 - `use_spare_cpus`, `spare_cores_stats`: helper threads on spare cores, at idle priority, that
-  share the streamed GEMMs with the calling thread (csrc/spare_cores.h; cpus.lend_spare_cores),
-  and how many chunks the caller, the helpers and the caller again (late helpers) computed.
+  share the streamed GEMMs, decode attention and the greedy argmax with the calling thread
+  (csrc/spare_cores.h; cpus.lend_spare_cores), and how many chunks the caller, the helpers
+  and the caller again (late helpers) computed.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the

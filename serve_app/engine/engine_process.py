@@ -70,10 +70,10 @@ class EngineInfo:
         )
 
     def placement(self) -> str:
-        """' on cores 1, GEMM helpers on the idle time of cores 0' ('' when not bound)."""
+        """' on cores 1, kernel helpers on the idle time of cores 0' ('' when not bound)."""
         text = f" on cores {format_cpus(self.cpus)}" if self.cpus else ""
         if self.spare_cpus:
-            text += f", GEMM helpers on the idle time of cores {format_cpus(self.spare_cpus)}"
+            text += f", kernel helpers on the idle time of cores {format_cpus(self.spare_cpus)}"
         return text
 
 
@@ -177,7 +177,7 @@ def _child_main(fd: int) -> None:
         from serve_app.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
-        spare = ()  # helpers only for GEMMs on this CPU
+        spare = ()  # helpers only for the CPU kernels
         if engine.runner.device.type == "cpu" and lend_spare_cores(config.engine_spare_cpus):
             spare = config.engine_spare_cpus
         info = EngineInfo.of(engine, config.engine_cpus, spare)
