@@ -87,9 +87,10 @@ def _not_available(missing: Iterable[int]) -> ValueError:
 def lend_spare_cores(cores: Iterable[int]) -> int:
     """Helper threads for this process's CPU GEMMs, decode attention and greedy argmax, one per
     core of `cores`, each bound to its core at the lowest priority (Linux SCHED_IDLE): they run
-    only while nothing else wants the core, and a step never waits for one (engine/csrc/spare_cores.h). How many run: 0 for no
-    cores, where the engine's CPU kernels are not built here (cpu_kernels logs why), or where
-    the system refuses a helper its core or its priority (logged; the engine runs without).
+    only while nothing else wants the core, and a step never waits for one
+    (engine/csrc/spare_cores.h). How many run: 0 for no cores, where the engine's CPU kernels
+    are not built here (cpu_kernels logs why), or where the system refuses a helper its core or
+    its priority (logged; the engine runs without).
     Check the cores with `check_cores` before binding the process elsewhere."""
     cores = sorted(set(cores))
     if not cores:
