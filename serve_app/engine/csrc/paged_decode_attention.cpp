@@ -342,8 +342,8 @@ void vec_items(const Attention<T>& a, int64_t begin, int64_t end, T* out) {
     const int64_t len = lens[b];
     const int64_t* table = tables + b * table_width;
     const int64_t stride = max_len + kLanes;  // room for a whole last chunk
-    // the first item of a sequence (in this thread) brings whole rows, all heads, into cache:
-    // its keys kAhead tokens ahead and its values for the second pass
+    // the first item of a sequence in this run of items brings whole rows, all heads, into
+    // cache: its keys kAhead tokens ahead and its values for the second pass
     const bool lead = h == 0 || item == begin;
     auto whole_row = [&](const T* cache, int64_t t) {
       return cache + (table[t / block_size] * block_size + t % block_size) * row;
