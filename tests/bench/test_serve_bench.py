@@ -3,6 +3,7 @@ its pure parts: the length distributions and the SSE parsing of hand-written str
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import random
@@ -265,8 +266,6 @@ def test_send_records_http_errors_refused_connections_and_timeouts(sb, base_url)
                 await sb.send(client, closed, ok, 30),
                 await sb.send(client, url, slow, 0.001),
             ]
-
-    import asyncio
 
     ok, bad, refused, late = asyncio.run(run())
     assert ok.error is None and ok.done and ok.tokens == 4 and ok.ttft > 0

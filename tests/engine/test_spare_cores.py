@@ -1,7 +1,7 @@
-"""Helper threads on spare cores (engineSpareCpus, csrc/spare_cores.h): a GEMM shared with them
-or a decode attention shared with them gives exactly the caller's own result, whoever computes
-which chunk, also when the caller takes chunks back from late helpers; the engine process
-starts them at idle priority."""
+"""Helper threads on spare cores (engineSpareCpus, csrc/spare_cores.h): a GEMM, a decode
+attention or a greedy argmax shared with them gives exactly the caller's own result, whoever
+computes which chunk, also when the caller takes chunks back from late helpers; the engine
+process starts them at idle priority."""
 
 from __future__ import annotations
 
