@@ -62,6 +62,7 @@ from serve_app.models.loader import load_model, resolve_model_path  # noqa: E402
 WARMUP_TOKENS = 4  # output tokens of every warm-up run
 GEMM_N = 2048  # the roofline's square matmul, smaller where torch is too slow in the dtype
 GEMM_SECONDS = 20.0  # at most this long for it
+COPY_BYTES = 1 << 31  # the bandwidth probe's copy on an accelerator: many times its cache
 WARMUP_SEED_OFFSET = 1_000_000  # the warm-up's prompts come from seed + this
 
 # (system key, label, target ratio ours/system or None, target text)
@@ -162,12 +163,16 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> list[list[i
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list[float]:
-    """Batch-1 decode latency: each request alone, every engine.step() after the first timed."""
+def ours_decode_steps(llm: LLM, batches: list[list[list[int]]], output_len: int) -> list[float]:
+    """Seconds of every engine.step() after the first (the prefill, when the prompts fit one
+    step's budget, as the bench sizes it) while each batch of prompts runs together, alone.
+    A step returns its tokens to the host, so on an accelerator its time includes the device's."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine, step_seconds = llm.engine, []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"latency-{i}-{time.monotonic_ns()}", prompt, params))
+    for b, batch in enumerate(batches):
+        for i, prompt in enumerate(batch):
+            request_id = f"steps-{b}-{i}-{time.monotonic_ns()}"
+            engine.add_request(EngineRequest(request_id, prompt, params))
         first = True
         while engine.has_unfinished_requests():
             start = time.perf_counter()
@@ -176,6 +181,11 @@ def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list
                 step_seconds.append(time.perf_counter() - start)
             first = False
     return step_seconds
+
+
+def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list[float]:
+    """Batch-1 decode latency: each request alone, every engine.step() after the first timed."""
+    return ours_decode_steps(llm, [[prompt] for prompt in prompts], output_len)
 
 
 def cb_config(args) -> ContinuousBatchingConfig:
@@ -285,6 +295,7 @@ class DtypeBench:
     tokens: dict[str, list[list[int]]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
     gemm: dict[str, tuple[float, int]] | None = None  # gemm_rates, once measured
+    batch_steps: list[float] = field(default_factory=list)  # ours, all requests decoding
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -321,6 +332,11 @@ def measure_ours(bench: DtypeBench) -> tuple[dict, list[float]]:
     bench.log(f"ours: warm-up, then {len(bench.prompts)} requests on {bench.device} ...")
     bench.warm_then_time("ours", "ours", partial(run_ours, llm))
 
+    if bench.device.type != "cpu":
+        bench.log(f"ours: decode steps with all {len(bench.prompts)} requests together ...")
+        bench.batch_steps = ours_decode_steps(llm, [bench.prompts], bench.args.output_len)
+        median = 1e3 * statistics.median(bench.batch_steps)
+        bench.log(f"ours: decode step at batch {len(bench.prompts)}: {median:.2f} ms (median)")
     bench.log(f"ours: batch-1 decode latency over {len(bench.one)} requests ...")
     ours_token_gaps(llm, bench.warm_prompts[:1], WARMUP_TOKENS)
     token_gaps = ours_token_gaps(llm, bench.one, bench.args.output_len)
@@ -520,6 +536,73 @@ def roofline(bench: DtypeBench, model_path: Path) -> dict:
             "gemm_sizes": sizes, "workload_gflop": work, "systems": systems}  # fmt: skip
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, reps: int = 10) -> float:
+    """The device memory's bandwidth as the bench measures it: GB/s of a device-to-device
+    copy of nbytes, counting the bytes read and the bytes written."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - start) / 1e9
+
+
+def decode_bytes(cfg: dict, element_size: int) -> tuple[int, int]:
+    """What one decode step must read from device memory at least: every weight of the decoder's
+    linears and the LM head once (the embedding is gathered, a row per token), and per cached
+    token its K and V in every layer. Returns (weight bytes, KV bytes per cached token)."""
+    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    weights = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * cfg["vocab_size"]
+    return weights * element_size, 2 * layers * kv * element_size
+
+
+def memory_roofline(bench: DtypeBench, model_path: Path) -> dict | None:
+    """On an accelerator, decoding is bound by memory bandwidth, not arithmetic: the bytes a
+    decode step must read (decode_bytes) over its time, as a fraction of the copy bandwidth
+    measured here. Ours at the full batch from its steady decode steps (the median step, at the
+    median context); every system over its whole run from the bytes all its steps must read
+    (prefill counted as one read of the weights). None on CPU (the compute roofline's place)."""
+    if bench.device is None or bench.device.type == "cpu":
+        return None
+    args = bench.args
+    cfg = json.loads((model_path / "config.json").read_text())
+    element = torch.empty((), dtype=getattr(torch, bench.dtype)).element_size()
+    weights, per_token = decode_bytes(cfg, element)
+    bandwidth = copy_bandwidth(bench.device)
+    contexts = range(args.prompt_len, args.prompt_len + args.output_len - 1)
+    workload = args.output_len * weights + args.requests * per_token * sum(contexts)
+    result = {
+        "copy_gbps": bandwidth,
+        "weight_bytes": weights,
+        "kv_bytes_per_token": per_token,
+        "workload_bytes": workload,
+        "systems": {},
+    }
+    for key, system in bench.systems.items():
+        if key == "hf_one_at_a_time":  # a few requests at batch 1: another workload
+            continue
+        gbps = workload / system["seconds"] / 1e9
+        result["systems"][key] = {"gbps": gbps, "fraction": gbps / bandwidth}
+    if bench.batch_steps:
+        step = statistics.median(bench.batch_steps)
+        context = args.prompt_len + args.output_len // 2
+        gbps = (weights + args.requests * context * per_token) / step / 1e9
+        result["ours_decode_step"] = {
+            "batch": args.requests,
+            "context": context,
+            "step_ms": 1e3 * step,
+            "gbps": gbps,
+            "fraction": gbps / bandwidth,
+        }
+    return result
+
+
 def transformers_too_slow(bench: DtypeBench, model_path: Path) -> str:
     """Why the transformers systems are skipped in this dtype, or "": at torch's own GEMM rate
     in the dtype, the static batch alone (the fastest of them) would take longer than
@@ -618,8 +701,30 @@ def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -
             key: agreement(tokens["ours"], tokens[key]) for key, *_ in SYSTEMS[1:] if key in tokens
         },
         "roofline": roofline(bench, model_path),
+        "memory_roofline": memory_roofline(bench, model_path),
         "peers_skipped": bench.skipped,
     }
+
+
+def print_memory_roofline(mem: dict | None) -> None:
+    if mem is None:
+        return
+    print(
+        f"  memory roofline: a device-to-device copy moves {mem['copy_gbps']:.0f} GB/s here"
+        f" (read + written); a decode step reads {mem['weight_bytes'] / 1e9:.2f} GB of weights"
+        f" + {mem['kv_bytes_per_token'] / 1e3:.0f} kB per cached token"
+    )
+    step = mem.get("ours_decode_step")
+    if step:
+        print(
+            f"  ours, decode step at batch {step['batch']} (context {step['context']}): "
+            f"{step['step_ms']:.2f} ms = {step['gbps']:.0f} GB/s = "
+            f"{100 * step['fraction']:.1f} % of the copy bandwidth"
+        )
+    whole = ", ".join(
+        f"{k} {v['gbps']:.0f} GB/s = {100 * v['fraction']:.1f} %" for k, v in mem["systems"].items()
+    )
+    print(f"  whole runs (the bytes every step must read over the run's time): {whole}")
 
 
 def print_report(dtype: str, result: dict) -> None:
@@ -669,6 +774,7 @@ def print_report(dtype: str, result: dict) -> None:
                 for k, v in roof["systems"].items()
             )
         )
+    print_memory_roofline(result.get("memory_roofline"))
     cb = result["agreement_with_ours"].get("hf_cb")
     if cb is not None:
         verdict = "agree" if all(cb["first_two"]) else "DISAGREE"

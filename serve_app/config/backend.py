@@ -57,7 +57,8 @@ class ModelConfig(BaseModel):
         description=(
             "Folder of Hugging Face safetensors weights, or a built-in model: "
             "'smollm2-135m-instruct' (SmolLM2-135M-Instruct, converted on first use), 'demo' / "
-            "'demo-tiny' (random weights for tests and benchmarks)."
+            "'demo-tiny' / 'demo-1b' (random weights for tests and benchmarks; 'demo-1b' is "
+            "1B-class, for accelerators)."
         ),
     )
     worldSize: int = Field(1, ge=1, description="Devices one model instance spans.")

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from serve_app.models.cache import build_atomically, ensure_built, log
 
-DEMO_VARIANTS = ("demo", "demo-tiny")
+DEMO_VARIANTS = ("demo", "demo-tiny", "demo-1b")
 FORMAT_VERSION = 1  # bump when the builder's output changes, so caches rebuild
 
 _SIZES = {
@@ -36,8 +36,11 @@ _SIZES = {
                  num_key_value_heads=2, intermediate_size=1408),
     "demo-tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=352),
+    # 1.2 B parameters in the shapes of a Llama-3.2-1B (a 1B-class model for accelerators)
+    "demo-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, intermediate_size=8192),
 }  # fmt: skip
-_SEEDS = {"demo": 1001, "demo-tiny": 1002}
+_SEEDS = {"demo": 1001, "demo-tiny": 1002, "demo-1b": 1003}
 _VOCAB, _NUM_RANKS = 151936, 151643
 _SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
 _ROPE_THETA, _MAX_POS = 1e6, 4096

@@ -176,3 +176,42 @@ def test_transformers_are_skipped_where_torch_would_take_hours(eb, tmp_path, mon
     assert "ours 25.00 ms" in out and "transformers generate" not in out
     roof = "a 2048^3 float32 GEMM runs at 150 GFLOP/s here (faster than bfloat16's 0.3 at 256^3)"
     assert roof in out
+
+
+def test_an_accelerators_memory_roofline_counts_weights_and_cached_tokens(
+    eb, tmp_path, capsys, monkeypatch
+):
+    cfg = {"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 16,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 100}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # weights: 2 layers x (8x(8+4+4) + 8x8 + 3x8x16) + 8x100 = 1152 + 800 elements; KV: 2 x 2
+    # layers x 4 per cached token
+    assert eb.decode_bytes(cfg, 2) == (2 * 1952, 2 * 16)
+    bench = make_bench(eb, tmp_path)  # 2 requests x 3 prompt tokens x 4 output tokens
+    bench.systems = {"ours": {"seconds": 1e-6}, "hf_one_at_a_time": {"seconds": 1.0}}
+    assert eb.memory_roofline(bench, tmp_path) is None  # no device: the CPU's compute roofline
+    bench.device = eb.torch.device("cpu")
+    assert eb.memory_roofline(bench, tmp_path) is None
+    bench.device = eb.torch.device("cuda")
+    bench.batch_steps = [3e-7, 1e-7, 2e-7]
+    monkeypatch.setattr(eb, "copy_bandwidth", lambda device: 1e-2)  # GB/s
+    mem = eb.memory_roofline(bench, tmp_path)
+    # float32: 4 steps read the weights (4 x 7808 bytes), the 3 decodes 2 requests x (3 + 4 + 5)
+    # cached tokens of 64 bytes
+    assert mem["workload_bytes"] == 4 * 7808 + 2 * 12 * 64
+    assert set(mem["systems"]) == {"ours"}  # one at a time runs another workload
+    assert mem["systems"]["ours"]["gbps"] == pytest.approx(mem["workload_bytes"] / 1e3)
+    step = mem["ours_decode_step"]  # the median step, 0.2 us, at context 3 + 2
+    assert step["context"] == 5 and step["step_ms"] == pytest.approx(2e-4)
+    assert step["fraction"] == pytest.approx((7808 + 2 * 5 * 64) / 2e-7 / 1e9 / 1e-2)
+    eb.print_memory_roofline(mem)
+    out = capsys.readouterr().out
+    assert "a decode step reads 0.00 GB of weights + 0 kB per cached token" in out
+    assert "ours, decode step at batch 2 (context 5): 0.00 ms" in out
+
+
+def test_the_copy_bandwidth_counts_bytes_read_and_written(eb, monkeypatch):
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(eb.time, "perf_counter", lambda: next(clock))
+    # 5 copies of 1000 bytes in 2 s: 10 kB read and written = 5e-6 GB/s
+    assert eb.copy_bandwidth(eb.torch.device("cpu"), 1000, 5) == pytest.approx(5e-6)
