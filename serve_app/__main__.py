@@ -73,6 +73,7 @@ def main() -> None:
     cores = _ray_cores(configs)
     if cores:  # Ray's processes, and the actors it starts, inherit these cores
         bind_process(cores)
+    _quiet_ray_background()
     ray.init(include_dashboard=False, logging_level="WARNING")
     serve.start(proxy_location=spec.get("proxy_location", "HeadOnly"), http_options=proxy_http)
     print("serve_app: starting (a built-in model is built into the cache on its first use) ...")
@@ -149,6 +150,23 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# Ray Serve's background work, for the Ray instance started here (its processes read these from
+# the environment; what the user exported wins). Its controller reconciles every 0.1 s by
+# default, ~4 % of a core on the 2-core default even when idle; at 0.5 s, ~1.7 % (a dead replica
+# is noticed up to 0.4 s later). Its replicas and handles export their request metrics once a
+# second instead of ten times. Together ~13 -> ~10 % of a core idle, on the core the serving path
+# shares with the engine's helpers.
+RAY_BACKGROUND_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+
+
+def _quiet_ray_background() -> None:
+    for name, value in RAY_BACKGROUND_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def _direct_ingress(port: int, num_ingress: int) -> None:

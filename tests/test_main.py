@@ -18,7 +18,8 @@ def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monke
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
     ):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # so that teardown restores what was there, if anything
+        monkeypatch.delenv(name)
     main._direct_ingress(8123, 2)
     assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"
@@ -26,6 +27,15 @@ def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monke
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "9000")
     main._direct_ingress(8123, 1)  # what the user exported wins
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "9000"
+
+
+def test_ray_serves_background_work_is_slowed_unless_the_user_set_it(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "")  # restored at teardown
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S")
+    monkeypatch.setenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100")
+    main._quiet_ray_background()
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Ray's default: 0.1
+    assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "100"  # the user's
 
 
 def test_ingress_replica_counts():
