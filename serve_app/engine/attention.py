@@ -21,7 +21,7 @@ from serve_app.engine.attention_metadata import AttentionMetadata
 ATTENTION_NAME = "serve_app_paged"
 # sdpa's backends on CUDA, without cuDNN's: it builds an execution plan for every new shape,
 # and decoding has a new one every step (the context grows): ~2.6 ms of host time a call, a
-# decode step at batch 64 of a 1B model 5x slower on an H200 until every length has been seen.
+# decode step at batch 64 of a 1B model ~6x slower on an H200 until every length had been seen.
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
