@@ -9,9 +9,11 @@ cluster advertises when Ray is up, else from what this machine has. The user's
 
 Every deployment also runs with Ray Serve's streaming fast path (`SERVE_FAST_PATH_ENV`, in the
 replica's runtime_env; a user's own env_vars win key by key): user code on the replica's own
-event loop instead of a second thread, handle calls over gRPC, and the handle's router on the
-caller's loop. Each streamed chunk then costs fewer thread hops and no Ray task submission; on
-2 cores this raised the HTTP throughput at 32 streams by about a fifth (README, "Over HTTP").
+event loop instead of a second thread, gRPC as the default of handles made in the replicas (the
+ingress's bound handles are made by the app's builder: it asks for gRPC itself,
+`ingress/deployment.over_grpc`), and the handle's router on the caller's loop. Each streamed
+chunk then costs fewer thread hops and no Ray task submission; on 2 cores this raised the HTTP
+throughput at 32 streams by about a fifth (README, "Over HTTP").
 Ray Serve's own request metrics are exported once a second instead of ten times (each replica,
 and each handle's router, wakes up for it).
 """

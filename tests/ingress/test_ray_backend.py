@@ -47,3 +47,39 @@ def test_two_dead_replicas_in_a_row_are_an_unavailable_refusal():
     refused = _tokenize(pool)
     assert isinstance(refused, Rejection) and refused.kind == ErrorKind.UNAVAILABLE
     assert "no tokenizer pool replica" in refused.message and pool.calls == 2
+
+
+class Handle:
+    """A deployment handle that records the options it was re-made with."""
+
+    def __init__(self, name: str, options: dict | None = None) -> None:
+        self.name, self.opts = name, options or {}
+
+    def options(self, **kwargs):
+        return Handle(self.name, {**self.opts, **kwargs})
+
+
+def test_the_ingress_sends_its_calls_over_grpc_except_the_pd_ones(monkeypatch):
+    from ray import serve
+
+    from serve_app.config import load_config
+    from serve_app.ingress import deployment
+
+    monkeypatch.setattr(deployment, "bind_process", lambda cores: None)  # not this test process
+    monkeypatch.setattr(deployment, "_token_inbox", lambda config: None)
+    context = type("Context", (), {"app_name": "serve_app"})
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
+    roles = {
+        "colocated": {"demo": Handle("replica")},
+        "prefill": {"demo": Handle("prefill")},
+        "decode": {"demo": Handle("decode")},
+    }
+    ingress = deployment.Ingress(
+        Handle("pool"), roles, load_config({}), [], {"emb": Handle("emb")}, Handle("stops")
+    )
+    backend = ingress.backend
+    grpc = {"_by_reference": False}
+    assert backend.tokenizer_pool.opts == grpc and backend.replicas["demo"].opts == grpc
+    assert backend.embedding_replicas["emb"].opts == grpc and backend.stop_registry.opts == grpc
+    # their messages carry the KV's ObjectRef: Ray's own serialization
+    assert backend.prefill_replicas["demo"].opts == {} == backend.decode_replicas["demo"].opts
