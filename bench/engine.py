@@ -491,17 +491,33 @@ def _matmul_rate(dtype: torch.dtype, n: int, reps: int) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What the FLOP and byte counts need of a model's config.json."""
+
+    layers: int
+    q: int  # query heads x head_dim
+    kv: int  # KV heads x head_dim
+    decoder_weights: int  # elements of the decoder's linears, all layers
+    head_weights: int  # elements of the LM head
+
+    @classmethod
+    def of(cls, cfg: dict) -> Shape:
+        h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+        head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+        q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+        decoder = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+        return cls(layers, q, kv, decoder, h * cfg["vocab_size"])
+
+
 def workload_gflop(model_path: Path, args) -> float:
     """Matmul FLOPs of the workload: every prompt token through the decoder's linears, every
     output token through them and the LM head, plus attention's QK^T and PV over the context."""
-    cfg = json.loads((model_path / "config.json").read_text())
-    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    per_token = 2 * layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
-    head = 2 * h * cfg["vocab_size"]
+    shape = Shape.of(json.loads((model_path / "config.json").read_text()))
+    per_token = 2 * shape.decoder_weights
+    head = 2 * shape.head_weights
     tokens = args.prompt_len + args.output_len
-    attention = 2 * 2 * layers * q * tokens * tokens / 2  # causal: half the score matrix
+    attention = 2 * 2 * shape.layers * shape.q * tokens * tokens / 2  # causal: half the scores
     per_request = tokens * per_token + args.output_len * head + attention
     return args.requests * per_request / 1e9
 
@@ -555,11 +571,9 @@ def decode_bytes(cfg: dict, element_size: int) -> tuple[int, int]:
     """What one decode step must read from device memory at least: every weight of the decoder's
     linears and the LM head once (the embedding is gathered, a row per token), and per cached
     token its K and V in every layer. Returns (weight bytes, KV bytes per cached token)."""
-    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    weights = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * cfg["vocab_size"]
-    return weights * element_size, 2 * layers * kv * element_size
+    shape = Shape.of(cfg)
+    weights = shape.decoder_weights + shape.head_weights
+    return weights * element_size, 2 * shape.layers * shape.kv * element_size
 
 
 def memory_roofline(bench: DtypeBench, model_path: Path) -> dict | None:

@@ -28,6 +28,7 @@ import yaml
 
 from serve_app.config import ConfigError, load_config
 from serve_app.engine.cpus import bind_process, parse_cpus, serving_cores
+from serve_app.replica.options import METRICS_INTERVAL, SERVE_FAST_PATH_ENV
 
 
 def main() -> None:
@@ -160,7 +161,8 @@ def _free_port(host: str) -> int:
 # shares with the engine's helpers.
 RAY_BACKGROUND_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    # the deployments have it in their runtime_env; here for Ray's proxy (its router) too
+    METRICS_INTERVAL: SERVE_FAST_PATH_ENV[METRICS_INTERVAL],
 }
 
 

@@ -51,11 +51,12 @@ def detect_accelerator(cluster_resources: dict | None = None) -> str:
         return "cpu"
 
 
+METRICS_INTERVAL = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
 SERVE_FAST_PATH_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    METRICS_INTERVAL: "1000",
 }
 
 
