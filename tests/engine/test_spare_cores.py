@@ -97,14 +97,16 @@ def _run(cases):
 
 def _exactly_the_callers_own(kernel, delays, counter):
     """Runs `kernel`'s cases with helpers (delays as use_spare_cpus takes them) until
-    stats()[counter] moved, at most 5 times, each time checking every result bit for bit
+    stats()[counter] moved, at most 20 times, each time checking every result bit for bit
     against the caller's own; how much it moved. (A helper at idle priority may get no time at
-    all while another process keeps its core busy: the rounds give it more chances.)"""
+    all while another process keeps its core busy: the rounds give it more chances. Here it
+    sleeps between jobs instead of spinning: the scheduler gives a woken thread a turn on a
+    busy core sooner than one that never slept.)"""
     cases = list(CASES[kernel]())
     alone = _run(cases)
     before = stats()
-    for _ in range(5):
-        use_spare_cpus([CORE], *delays)
+    for _ in range(20):
+        use_spare_cpus([CORE], *delays, 0)
         try:
             shared = _run(cases)
         finally:
@@ -127,6 +129,53 @@ def test_the_caller_takes_back_the_chunks_of_late_helpers(kernel):
     # helpers sleep 50 ms before each chunk they claim: the caller redoes it and returns, the
     # helper's result is dropped (and the inputs it still reads stay alive until then)
     assert _exactly_the_callers_own(kernel, (50_000, 0), counter=2) > 0
+
+
+@pytest.fixture
+def one_thread_off_the_helpers_core():
+    """The test's thread on one torch thread and off CORE (the helper's), so that the helper
+    there gets the time that its core has idle; restored after the test."""
+    others = os.sched_getaffinity(0) - {CORE}
+    if not others:
+        pytest.skip("needs a core besides the helper's")
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, others)
+    yield
+    os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
+
+
+def _jobs_found(spin_us):
+    """Runs 200 shared GEMMs back to back with a helper that waits `spin_us` for the next job
+    before it sleeps; how many jobs it found awake and how many only after sleeping, in the
+    first of up to 10 rounds where it joined 20 of them or more. At idle priority a helper
+    gets no time while another process keeps its core busy (then this skips)."""
+    layer = cpu_gemm.StreamedLinear(torch.randn(8192, 512))  # ~1 ms at 32 rows: a few chunks
+    x = torch.randn(32, 512)
+    for _ in range(10):
+        before = stats()
+        use_spare_cpus([CORE], 0, 0, spin_us)
+        try:
+            with torch.inference_mode():
+                for _ in range(200):
+                    layer(x)
+        finally:
+            use_spare_cpus([])
+        awake, slept = (after - was for after, was in zip(stats()[3:], before[3:], strict=True))
+        if awake + slept >= 20:
+            return awake, slept
+    pytest.skip(f"core {CORE} was too busy for the helper to join the jobs")
+
+
+def test_a_helper_waits_awake_for_the_next_job_of_a_step(one_thread_off_the_helpers_core):
+    # a step's jobs follow each other faster than a sleeping thread wakes: a helper spins a
+    # while after each job and finds the next one awake; without the spin it sleeps after
+    # nearly every job
+    awake, slept = _jobs_found(spin_us=1_000_000)
+    assert awake > 10 * slept
+    awake, slept = _jobs_found(spin_us=0)
+    assert slept > awake
 
 
 def test_a_gemm_too_small_to_share_is_the_callers(helpers):

@@ -1,15 +1,18 @@
 // Helper threads on spare cores (spare_cores.h), and the ops that start them and count their
 // work:
 //
-// use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0) -> int
+// use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0, int spin_us=5000)
+//     -> int
 //   One helper thread per core in `cpus` (replacing any started before; [] stops them), each
 //   bound to its core at SCHED_IDLE: it runs only while nothing else wants the core. Returns
-//   how many run. The delays are for tests: helpers (or the caller's threads) sleep that long
-//   before each chunk, so that the caller takes chunks back from late helpers (or helpers get
-//   chunks at all on a busy machine).
+//   how many run. After each job a helper spins up to `spin_us` for the next before it sleeps
+//   (waking a sleeping thread takes longer than the gaps between a step's jobs). The delays
+//   are for tests: helpers (or the caller's threads) sleep that long before each chunk, so that
+//   the caller takes chunks back from late helpers (or helpers get chunks at all on a busy
+//   machine).
 // spare_cores_stats() -> int[]
-//   Chunks done since the process started: by the caller's threads, by helpers, and taken back
-//   from helpers that were late.
+//   Since the process started: chunks done by the caller's threads, by helpers, and taken back
+//   from helpers that were late; jobs helpers found awake, and only after they slept.
 //
 // Registered as torch.ops.serve_app_cpu.* by serve_app/engine/cpu_kernels.py.
 
@@ -68,10 +71,12 @@ int64_t claim(SharedJob& job, int owner) {
 
 class Pool {
  public:
-  int64_t start(const std::vector<int64_t>& cpus, int64_t helper_delay_us, int64_t team_delay_us) {
+  int64_t start(const std::vector<int64_t>& cpus, int64_t helper_delay_us, int64_t team_delay_us,
+                int64_t spin_us) {
     stop_all();
     helper_delay_us_ = helper_delay_us;
     team_delay_us_ = team_delay_us;
+    spin_ = std::chrono::microseconds(spin_us);
     for (const int64_t cpu : cpus) {
       threads_.emplace_back([this] { loop(); });
       const std::string problem = place(threads_.back(), cpu);
@@ -93,7 +98,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = job;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
   }
@@ -106,6 +111,8 @@ class Pool {
   int64_t team_delay_us() const { return team_delay_us_; }
 
   std::atomic<int64_t> team_chunks{0}, helper_chunks{0}, taken_chunks{0};
+  // jobs a helper found while awake (spinning after the last one), and after it slept
+  std::atomic<int64_t> jobs_awake{0}, jobs_woken{0};
 
  private:
   // the helper on `cpu` at SCHED_IDLE; "" or what went wrong
@@ -148,15 +155,33 @@ class Pool {
     std::vector<char> scratch;
     uint64_t seen = 0;
     for (;;) {
+      spin_for_next(seen);
       std::shared_ptr<SharedJob> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || (generation_ != seen && job_); });
+        const auto ready = [&] {
+          return stopping_ || (generation_.load(std::memory_order_relaxed) != seen && job_);
+        };
+        const bool awake = ready();
+        if (!awake) wake_.wait(lock, ready);
         if (stopping_) return;
-        seen = generation_;
+        seen = generation_.load(std::memory_order_relaxed);
         job = job_;
+        (awake ? jobs_awake : jobs_woken).fetch_add(1, std::memory_order_relaxed);
       }
       work(*job, scratch);
+    }
+  }
+
+  // Waits up to spin_ for the next job without sleeping: a step's jobs follow each other by tens
+  // of microseconds, less than waking a sleeping thread takes, and the spinning costs nothing
+  // but idle time (anything else that wants the core preempts a SCHED_IDLE thread at once).
+  void spin_for_next(uint64_t seen) const {
+    const auto until = std::chrono::steady_clock::now() + spin_;
+    while (generation_.load(std::memory_order_acquire) == seen &&
+           count_.load(std::memory_order_relaxed) > 0) {
+      for (int i = 0; i < 64; ++i) pause();
+      if (std::chrono::steady_clock::now() >= until) return;
     }
   }
 
@@ -177,11 +202,12 @@ class Pool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::shared_ptr<SharedJob> job_;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
   bool stopping_ = false;
   std::vector<std::thread> threads_;
   std::atomic<int64_t> count_{0};
   int64_t helper_delay_us_ = 0, team_delay_us_ = 0;
+  std::chrono::microseconds spin_{0};
 };
 
 Pool& pool() {
@@ -235,20 +261,23 @@ void run_shared(const std::shared_ptr<SharedJob>& job) {
 namespace {
 
 int64_t use_spare_cpus(c10::ArrayRef<int64_t> cpus, int64_t helper_delay_us,
-                       int64_t team_delay_us) {
-  return serve_app_cpu::pool().start(cpus.vec(), helper_delay_us, team_delay_us);
+                       int64_t team_delay_us, int64_t spin_us) {
+  return serve_app_cpu::pool().start(cpus.vec(), helper_delay_us, team_delay_us, spin_us);
 }
 
 std::vector<int64_t> spare_cores_stats() {
   auto& p = serve_app_cpu::pool();
-  return {p.team_chunks.load(), p.helper_chunks.load(), p.taken_chunks.load()};
+  return {p.team_chunks.load(), p.helper_chunks.load(), p.taken_chunks.load(),
+          p.jobs_awake.load(), p.jobs_woken.load()};
 }
 
 }  // namespace
 
 // no tensor arguments: one kernel for every dispatch key
 TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
-  m.def("use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0) -> int",
-        &use_spare_cpus);
+  m.def(
+      "use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0, int spin_us=5000) "
+      "-> int",
+      &use_spare_cpus);
   m.def("spare_cores_stats() -> int[]", &spare_cores_stats);
 }
