@@ -6,6 +6,7 @@ process starts them at idle priority."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 
@@ -95,6 +96,16 @@ def _run(cases):
         return [case() for case in cases]
 
 
+@contextlib.contextmanager
+def _helper_on_core(helper_delay_us=0, team_delay_us=0, *, spin_us):
+    """A helper on CORE (arguments as use_spare_cpus takes them) for the block's length."""
+    use_spare_cpus([CORE], helper_delay_us, team_delay_us, spin_us)
+    try:
+        yield
+    finally:
+        use_spare_cpus([])
+
+
 def _exactly_the_callers_own(kernel, delays, counter):
     """Runs `kernel`'s cases with helpers (delays as use_spare_cpus takes them) until
     stats()[counter] moved, at most 20 times, each time checking every result bit for bit
@@ -106,11 +117,8 @@ def _exactly_the_callers_own(kernel, delays, counter):
     alone = _run(cases)
     before = stats()
     for _ in range(20):
-        use_spare_cpus([CORE], *delays, 0)
-        try:
+        with _helper_on_core(*delays, spin_us=0):
             shared = _run(cases)
-        finally:
-            use_spare_cpus([])
         for got, expect in zip(shared, alone, strict=True):
             assert torch.equal(got, expect)  # the same sums, in the same order, bit for bit
         if stats()[counter] > before[counter]:
@@ -155,13 +163,9 @@ def _jobs_found(spin_us):
     x = torch.randn(32, 512)
     for _ in range(10):
         before = stats()
-        use_spare_cpus([CORE], 0, 0, spin_us)
-        try:
-            with torch.inference_mode():
-                for _ in range(200):
-                    layer(x)
-        finally:
-            use_spare_cpus([])
+        with _helper_on_core(spin_us=spin_us), torch.inference_mode():
+            for _ in range(200):
+                layer(x)
         awake, slept = (after - was for after, was in zip(stats()[3:], before[3:], strict=True))
         if awake + slept >= 20:
             return awake, slept
