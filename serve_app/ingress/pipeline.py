@@ -4,15 +4,15 @@
 (a rejection becomes an `APIError`) and builds the `ReplicaRequest` with the server's defaults;
 `Pipeline.generate` iterates the model replica's chunks while watching three ways to end early:
 the request's own `timeout`, a stopInfer for its id, and the client going away (the task is
-cancelled). Leaving early closes the replica stream, which aborts the request there and frees
-its KV blocks. `Pipeline.embed` sends texts to an embedding endpoint's replica. Metrics are
-observed here, once for every family.
+cancelled), with one reader task for the whole stream (`interruptible.py`). Leaving early
+closes the replica stream, which aborts the request there and frees its KV blocks.
+`Pipeline.embed` sends texts to an embedding endpoint's replica. Metrics are observed here, once
+for every family.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 import uuid
@@ -24,6 +24,7 @@ from fastapi import Request
 from serve_app.config import AppConfig
 from serve_app.disagg.flow import pd_generate
 from serve_app.ingress.backend import Backend
+from serve_app.ingress.interruptible import END, INTERRUPTED, Interruptible
 from serve_app.ingress.metrics import Metrics
 from serve_app.ingress.stops import StopRegistry
 from serve_app.messages import (
@@ -58,8 +59,9 @@ class FamilyRequest(Protocol):
     ) -> ReplicaRequest: ...  # a family may take more, keyword-only (Triton: the route's stream)
 
 
-def pipeline_of(request: Request) -> Pipeline:
-    """FastAPI dependency: the app's pipeline."""
+async def pipeline_of(request: Request) -> Pipeline:
+    """FastAPI dependency: the app's pipeline (async: FastAPI runs a plain function's
+    dependency in a worker thread, a thread hop per request)."""
     return request.app.state.pipeline
 
 
@@ -133,21 +135,18 @@ class Pipeline:
         else:
             upstream = self.backend.generate(model, req)
         self.metrics.received.labels(model).inc()
-        first_token_at, num_tokens, num_prompt, finished = None, 0, 0, False
-        outcome, next_chunk, num_chunks = "failed", None, 0
+        first_token_at, num_tokens, num_prompt = None, 0, 0
+        outcome, num_chunks = "failed", 0
+        chunks = Interruptible(upstream, deadline)
         # One waiter for the whole request: it stays pending across chunks until a stopInfer.
         stopped = asyncio.ensure_future(stop_event.wait())
+        stopped.add_done_callback(chunks.interrupt)
         try:
             while True:
-                next_chunk = asyncio.ensure_future(anext(upstream))
-                remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                done, _ = await asyncio.wait(
-                    {next_chunk, stopped}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-                if next_chunk not in done:
-                    next_chunk.cancel()
-                    with contextlib.suppress(BaseException):
-                        await next_chunk
+                chunk = await chunks.next()
+                if chunk is END:
+                    return
+                if chunk is INTERRUPTED:
                     if stop_event.is_set():
                         outcome = "success"
                         yield _stopped_chunk(req)
@@ -158,10 +157,6 @@ class Pipeline:
                         f"timeout of {req.timeout_s:g} s",
                         "timeout",
                     )
-                try:
-                    chunk = next_chunk.result()
-                except StopAsyncIteration:
-                    return
                 if chunk.error is not None:
                     self.metrics.update_stats(model, chunk.stats)
                     error = APIError(chunk.error_kind or ErrorKind.ENGINE, chunk.error)
@@ -177,22 +172,20 @@ class Pipeline:
                 num_tokens += new
                 num_prompt = chunk.num_prompt_tokens or num_prompt
                 if chunk.finished:
-                    finished, outcome = True, "success"
+                    outcome = "success"
                     self.metrics.update_stats(model, chunk.stats)
                 yield chunk
                 if chunk.finished:
                     return
         finally:
             stopped.cancel()
-            if next_chunk is not None and not next_chunk.done():
-                next_chunk.cancel()  # the client went away mid-wait: the replica aborts
             if stop_key is not None:
                 self.stops.unregister(stop_key, stop_event)
             if unwatch is not None:
                 unwatch()
-            if not finished:
-                with contextlib.suppress(BaseException):
-                    await upstream.aclose()
+            # a wait still in progress (the client went away, a stop, the timeout) is
+            # cancelled and the replica stream closed: the replica aborts the request
+            await chunks.close()
             self._observe(
                 model, outcome, start, loop.time(), first_token_at, num_prompt, num_tokens
             )

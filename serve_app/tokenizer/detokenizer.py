@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._decode_ids = _fast_decode(tokenizer)
         context = list(prompt_token_ids or [])[-_PROMPT_CONTEXT:]
         # A prompt that ends mid-character would make the first delta start with a split
         # character's U+FFFD accounting; such context is worth less than exact output text.
@@ -55,7 +56,7 @@ class IncrementalDetokenizer:
         return self._read < len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._decode_ids(ids, skip_special_tokens=self._skip)
 
     def push_one(self, token_id: int) -> str:
         """Adds one token and returns its text delta ("" while a character is incomplete)."""
@@ -87,3 +88,24 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         self._text += delta
         return delta
+
+
+def _fast_decode(tokenizer: Any) -> Any:
+    """The Rust tokenizer's own `decode` where transformers' wrapper would return the same text
+    (a fast tokenizer whose `_decode` is the library's and that cleans up no spaces): ~1.7 us a
+    call against ~8.4 for the wrapper's argument handling, twice per streamed token. Any other
+    tokenizer keeps its `decode`."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # transformers 4 names the class differently: no shortcut there
+        return tokenizer.decode
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and type(tokenizer).decode is TokenizersBackend.decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        and backend is not None
+    ):
+        return backend.decode
+    return tokenizer.decode

@@ -119,3 +119,31 @@ def test_window_stays_small(tok):
         detok.push_one(t)
     assert detok.text + detok.flush() == tok.decode(ids)
     assert max(calls) <= 8  # never the whole output
+
+
+def test_a_fast_tokenizer_decodes_through_its_rust_tokenizer(tok):
+    """The hot path skips transformers' decode wrapper where it returns the same text, and
+    keeps it where it would not (a tokenizer that cleans up spaces, or its own decode)."""
+    from serve_app.tokenizer.detokenizer import _fast_decode
+
+    assert _fast_decode(tok) == tok._tokenizer.decode
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size + 30) for _ in range(rng.randint(1, 8))]
+        for skip in (True, False):
+            assert tok._tokenizer.decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip
+            )
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert _fast_decode(tok) == tok.decode
+    finally:
+        tok.clean_up_tokenization_spaces = False
+
+    class OwnDecode(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return "x"
+
+    wrapped = object.__new__(OwnDecode)
+    wrapped.__dict__.update(tok.__dict__)
+    assert _fast_decode(wrapped) == wrapped.decode
