@@ -42,7 +42,8 @@ class AsyncEngine:
         """config.engine_process: the step loop in a child process; otherwise (or when an
         `engine` is given) on a thread of this process, and `self.engine` is that engine."""
         config = engine.config if engine is not None else (config or EngineConfig())
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its event loop, its outputs' queue, its prompt ids)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
         self.engine: LLMEngine | None = None  # the in-process engine (thread mode)
         self._process: EngineProcess | None = None
         if engine is None and config.engine_process:
@@ -89,7 +90,7 @@ class AsyncEngine:
         if request.arrival_time is None:
             request.arrival_time = time.monotonic()
         outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (loop, outputs)
+        self._streams[request.request_id] = (loop, outputs, request.prompt_token_ids)
         self._send(("add", request))
         finished = False
         try:
@@ -153,12 +154,14 @@ class AsyncEngine:
 
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """Each (request id, output or exception) to its request's queue: one hand-over per
-        event loop for the lot."""
+        event loop for the lot. Outputs from the engine process come without the prompt ids."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item in items:
             target = self._streams.get(request_id)
             if target is not None:
-                loop, outputs = target
+                loop, outputs, prompt = target
+                if isinstance(item, RequestOutput) and item.prompt_token_ids is None:
+                    item.prompt_token_ids = prompt
                 by_loop.setdefault(loop, []).append((outputs, item))
         for loop, puts in by_loop.items():
             loop.call_soon_threadsafe(_put_all, puts)

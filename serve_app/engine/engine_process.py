@@ -9,8 +9,10 @@ Optionally the child binds itself to cores of its own (`engineCpus`), and its to
 those cores.
 
 Messages are pickled by value (KV payloads of PD hand-offs included), so no shared memory
-outlives either side. The child exits when the parent says stop or goes away (the socket
-closes).
+outlives either side. A step's outputs leave out their requests' prompt ids (`prompt_token_ids`
+None): the parent has them (`AsyncEngine` puts them back), and at 32 requests of 128-token
+prompts they were two thirds of every step's message. The child exits when the parent says
+stop or goes away (the socket closes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from multiprocessing.connection import Connection
 
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.cpus import bind_process, check_cores, format_cpus, lend_spare_cores
+from serve_app.engine.outputs import RequestOutput
 from serve_app.engine.step_loop import IDLE_WAIT_S, Items, run_steps
 
 # glibc malloc in the engine process (the environment's own settings win): buffers up to 1 GiB
@@ -52,9 +55,7 @@ class EngineInfo:
     spare_cpus: tuple[int, ...] = ()  # helpers of its CPU GEMMs run on these (idle priority)
 
     @classmethod
-    def of(
-        cls, engine, cpus: tuple[int, ...] = (), spare_cpus: tuple[int, ...] = ()
-    ) -> EngineInfo:
+    def of(cls, engine, cpus: tuple[int, ...] = (), spare_cpus: tuple[int, ...] = ()) -> EngineInfo:
         import torch
 
         runner = engine.runner
@@ -80,8 +81,8 @@ class EngineInfo:
 class EngineProcess:
     """The parent's side: starts the child, waits for the model to load, then relays.
 
-    deliver(items) gets each step's outputs (on the reader thread); on_exit(message) is called
-    once if the child dies while this side still wants it.
+    deliver(items) gets each step's outputs (on the reader thread; `prompt_token_ids` None);
+    on_exit(message) is called once if the child dies while this side still wants it.
     """
 
     def __init__(
@@ -198,6 +199,9 @@ def _child_main(fd: int) -> None:
         return messages
 
     def deliver(items: Items) -> None:
+        for _, item in items:
+            if isinstance(item, RequestOutput):
+                item.prompt_token_ids = None  # the parent has it
         _send(conn, (items, engine.stats()))
 
     _send(conn, ("ready", ready))

@@ -76,6 +76,35 @@ def test_leaving_early_aborts_in_the_child_and_frees_its_blocks(process_engine):
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_outputs_cross_without_the_prompt_and_get_it_back(process_engine, monkeypatch):
+    """Every step's message leaves the prompt ids out (the parent has them); the outputs a
+    stream gets have them again."""
+    from serve_app.engine import engine_process
+
+    read = engine_process.EngineProcess._recv
+    crossed = []  # the prompt ids of each output as it came over the socket
+
+    def recv(self):
+        message = read(self)
+        if isinstance(message[0], list):
+            crossed.extend(getattr(item, "prompt_token_ids", None) for _, item in message[0])
+        return message
+
+    monkeypatch.setattr(engine_process.EngineProcess, "_recv", recv)
+    prompt = list(range(1000, 1100))
+
+    async def run():
+        outputs = []
+        async for output in process_engine.generate(EngineRequest("np", prompt, GREEDY)):
+            outputs.append(output)
+        return outputs
+
+    outputs = asyncio.run(run())
+    assert len(outputs) == 12 and all(o.prompt_token_ids == prompt for o in outputs)
+    # (the reader was already waiting in the unpatched call for the first step's message)
+    assert len(crossed) >= 11 and all(ids is None for ids in crossed)
+
+
 def test_a_refused_request_fails_alone(process_engine):
     async def run():
         bad = _tokens(process_engine, "bad", [10**9])  # outside the vocabulary
