@@ -45,6 +45,16 @@ class Source:
             raise
 
 
+async def pending_wait() -> tuple[Source, Interruptible, asyncio.Future]:
+    """A consumer waiting for an item that has not come."""
+    src = Source()
+    chunks = Interruptible(src.items())
+    waiting = asyncio.ensure_future(chunks.next())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    return src, chunks, waiting
+
+
 @in_loop
 async def test_items_in_order_then_end_and_never_read_ahead():
     src = Source()
@@ -65,11 +75,7 @@ async def test_items_in_order_then_end_and_never_read_ahead():
 
 @in_loop
 async def test_an_interrupt_ends_a_pending_wait_and_close_cancels_the_read():
-    src = Source()
-    chunks = Interruptible(src.items())
-    waiting = asyncio.ensure_future(chunks.next())
-    await asyncio.sleep(0.01)
-    assert not waiting.done()
+    src, chunks, waiting = await pending_wait()
     chunks.interrupt()
     assert await asyncio.wait_for(waiting, 1) is INTERRUPTED
     assert await chunks.next() is INTERRUPTED  # it stays interrupted
@@ -127,10 +133,7 @@ async def test_an_error_of_the_stream_raises_in_next():
 @in_loop
 async def test_closing_the_consumer_mid_wait_cancels_the_read():
     """The client went away: the consumer task is cancelled while it waits for an item."""
-    src = Source()
-    chunks = Interruptible(src.items())
-    waiting = asyncio.ensure_future(chunks.next())
-    await asyncio.sleep(0.01)
+    src, chunks, waiting = await pending_wait()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
