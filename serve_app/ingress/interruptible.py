@@ -1,10 +1,11 @@
 """A stream's items, one at a time, with a wait for the next that a stop or a deadline can end.
 
 Racing each `anext()` against a stop event and a timeout with `asyncio.wait` costs a task, a
-wait set and four callbacks per item: at 32 streams that was ~25 us of the ingress's CPU for
-every streamed chunk. Here one reader task for the whole stream calls `anext()` when the
-consumer asks for an item (never ahead of it, as a plain `async for` would) and hands the item
-over in a future, which the stop callback or the deadline's timer can resolve first.
+wait set and four callbacks per item: ~30 us of the ingress's CPU for every streamed chunk (38
+against 8 for a plain `async for`, measured alone). Here one reader task for the whole stream
+calls `anext()` when the consumer asks for an item (never ahead of it, as a plain `async for`
+would) and hands the item over in a future, which the stop callback or the deadline's timer can
+resolve first.
 """
 
 from __future__ import annotations
