@@ -15,8 +15,8 @@ on CPU for float32 and bfloat16 only; other devices and dtypes keep their layers
 
 Where the engine's `streamed_linear` kernel is built (cpu_kernels.py: AVX-512, or AVX2 and FMA),
 `linear()` gives a `StreamedLinear` instead of a `PackedLinear`, for the LM head, the fused decoder
-layers' projections (cpu_layers.py) and any other Linear alike, in float32, and in bfloat16 on CPUs
-without bfloat16 arithmetic (no AVX512-BF16 or AMX). A decode step multiplies each weight by only a
+layers' projections (cpu_layers.py) and any other Linear alike, in float32, and in bfloat16 except
+on CPUs with AMX (`streams`). A decode step multiplies each weight by only a
 few dozen rows, and the weights together are far larger than the caches (the demo's LM head alone
 is 311 MB in float32), so oneDNN's GEMM waits for each weight about as long as it computes; the
 streamed kernel overlaps the two and adds the bias and a residual or product as it writes. Measured
@@ -28,7 +28,11 @@ the weights to float32 in registers, runs at its float32 rate: the head 21.6 ms 
 the offline demo twice as fast. On a 2-core AMD EPYC without AVX-512 (Zen 3), measured in
 alternation at 32 rows: the head 37.5 ms against oneDNN's 39.5, the eight layers' projections 10.1
 against 14.1; there oneDNN cannot prepack bfloat16 at all (`onednn_packs`), so bfloat16 runs on the
-streamed kernel or, where it is not built, on transformers' own layers (`supported` says no).
+streamed kernel or, where it is not built, on transformers' own layers (`supported` says no). On
+CPUs with AVX512-BF16 (an AMD EPYC of the Zen 5 generation, 2 cores, measured at 32 rows in
+bfloat16) the kernel sums pairs of products with the CPU's bfloat16 dot products, as oneDNN does:
+the head 10.4 ms on one core against oneDNN's 13.3, the same sums; and with a helper on an idle
+second core (engineSpareCpus) 6.0 ms, where oneDNN's single-threaded call cannot be shared.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve_app.engine import cpu_kernels
-from serve_app.engine.device import cpu_has_fast_bf16
+from serve_app.engine.device import cpu_has_amx_bf16, cpu_has_fast_bf16
 
 # The batch size oneDNN picks the blocked layout for; any batch size works with it.
 BATCH_HINT = 32
@@ -105,7 +109,9 @@ class PackedLinear(nn.Module):
 class StreamedLinear(nn.Module):
     """y = x @ W^T + b, x [..., in_features] in W's dtype (float32 or bfloat16), W packed for
     cpu_kernels' streamed_linear: blocks of 32 output rows, each transposed
-    ([blocks, in_features, 32]), zero-padded. The same fused forms as PackedLinear."""
+    ([blocks, in_features, 32]), zero-padded; in bfloat16 on a CPU with bfloat16 arithmetic
+    (`bf16_pairs`), each two consecutive k of a block interleaved, column by column, for the
+    kernel's pairwise dot products. The same fused forms as PackedLinear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -118,6 +124,8 @@ class StreamedLinear(nn.Module):
             self.packed[:whole].copy_(weight[: whole * 32].view(whole, 32, k).transpose(1, 2))
             if n % 32:
                 self.packed[whole, :, : n % 32].copy_(weight[whole * 32 :].t())
+            if weight.dtype == torch.bfloat16 and bf16_pairs():
+                _interleave_pairs(self.packed)
         self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
 
     def _apply_kernel(self, x: torch.Tensor, other=None, epilogue=_NONE) -> torch.Tensor:
@@ -148,11 +156,38 @@ class StreamedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, streamed"
 
 
+def _interleave_pairs(packed: torch.Tensor, blocks_at_once: int = 256) -> None:
+    """In place, [blocks, K, 32] -> each k-pair's 2 x 32 weights as 32 x 2 (column j's two at
+    2j, 2j + 1); a last unpaired k (K odd) stays as it is. A few blocks at a time: no copy of a
+    whole LM head on the way."""
+    paired = packed.shape[1] // 2 * 2
+    for start in range(0, packed.shape[0], blocks_at_once):
+        part = packed[start : start + blocks_at_once, :paired]
+        pairs = part.reshape(part.shape[0], paired // 2, 2, 32)
+        part.copy_(pairs.transpose(2, 3).reshape(part.shape))
+
+
+@functools.cache
+def bf16_pairs() -> bool:
+    """Whether the streamed kernel multiplies bfloat16 with the CPU's bfloat16 dot products
+    (built with AVX512-BF16), on weights packed in pairs of k."""
+    pairs = cpu_kernels.op("streamed_bf16_pairs")
+    return pairs is not None and bool(pairs())
+
+
 def streams(dtype: torch.dtype) -> bool:
-    """Whether a layer of this dtype goes to the streamed kernel here: float32, or bfloat16 on a
-    CPU without bfloat16 arithmetic, where the kernel is built."""
-    wanted = dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16())
-    return wanted and cpu_kernels.op("streamed_linear") is not None
+    """Whether a layer of this dtype goes to the streamed kernel here, where it is built:
+    float32; bfloat16 on a CPU without bfloat16 arithmetic (the kernel widens it to float32), and
+    on one with AVX512-BF16 but no AMX, where the kernel uses the vector dot products (its pairs:
+    as fast as oneDNN on one core, and shared with the spare cores' helpers). With AMX, oneDNN's
+    tile GEMMs (not measured here)."""
+    if cpu_kernels.op("streamed_linear") is None:
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and (
+        not cpu_has_fast_bf16() or (bf16_pairs() and not cpu_has_amx_bf16())
+    )
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:

@@ -12,9 +12,11 @@ engine keeps its portable torch path and logs why once. The ops:
   torch.argmax (else: a chunked torch argmax over float32 logits; sampler.row_argmax).
 - `streamed_linear`: a GEMM that streams its weight, the multiplication overlapping the
   weight's arrival, with the bias and a residual add or a product applied as it writes: the LM
-  head and the fused decoder layers' projections, in float32, and in bfloat16 on CPUs without
-  bf16 arithmetic (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM). Built on CPUs with
-  AVX-512 or with AVX2 and FMA, where it was measured; `op` says None elsewhere.
+  head and the fused decoder layers' projections, in float32, and in bfloat16 but on CPUs with
+  AMX (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM). Built on CPUs with AVX-512 or
+  with AVX2 and FMA, where it was measured; `op` says None elsewhere. `streamed_bf16_pairs`:
+  whether this build multiplies bfloat16 with AVX512-BF16 dot products, on weights packed in
+  pairs of k (cpu_gemm.bf16_pairs).
 - `use_spare_cpus`, `spare_cores_stats`: helper threads on spare cores, at idle priority, that
   share the streamed GEMMs, decode attention and the greedy argmax with the calling thread
   (csrc/spare_cores.h; cpus.lend_spare_cores), and how many chunks the caller, the helpers

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from serve_app.engine import cpu_gemm, cpu_kernels
-from serve_app.engine.device import cpu_has_fast_bf16
+from serve_app.engine.device import cpu_has_amx_bf16, cpu_has_fast_bf16
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.supported(torch.device("cpu"), torch.float32),
@@ -98,6 +98,44 @@ def test_streamed_bfloat16_rounds_once_to_nearest_even():
     assert out[2].isnan().all()
 
 
+pairs = pytest.mark.skipif(
+    not cpu_gemm.bf16_pairs(), reason="the bfloat16 pairs are built on CPUs with AVX512-BF16"
+)
+
+
+@pairs
+@pytest.mark.parametrize("in_features", [64, 33, 1])
+def test_bfloat16_pairs_sum_both_products_of_a_pair_in_float32(in_features):
+    # weights and inputs of few bits, so that every product and every partial sum is exact in
+    # float32: the pairwise dot products give exactly the float32 sum, rounded once; 33 and 1
+    # end on an unpaired k, added on its own
+    torch.manual_seed(in_features)
+    weight = torch.randint(-8, 9, (70, in_features)).to(torch.bfloat16) / 16
+    x = torch.randint(-8, 9, (13, in_features)).to(torch.bfloat16) / 8
+    layer = cpu_gemm.StreamedLinear(weight)
+    if in_features > 1:  # the pairs' layout: k = 0 and 1 of each of block 0's columns in turn
+        assert torch.equal(layer.packed[0, :2].reshape(-1), weight[:32, :2].reshape(-1))
+    with torch.inference_mode():
+        got = layer(x)
+    expect = (x.float() @ weight.float().t()).to(torch.bfloat16)
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+
+
+@pairs
+def test_bfloat16_pairs_match_onednn_on_the_same_cpu():
+    # the same VDPBF16PS sums as oneDNN's bfloat16 GEMM on a CPU with bfloat16 arithmetic: the
+    # engine's results do not depend on which of the two multiplies
+    needs_onednn(torch.bfloat16)
+    torch.manual_seed(0)
+    weight = torch.randn(300, 512, dtype=torch.bfloat16) / 16
+    x = torch.randn(32, 512, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        streamed = cpu_gemm.StreamedLinear(weight)(x)
+        packed = cpu_gemm.PackedLinear(weight)(x)
+    mismatched = (streamed != packed).float().mean().item()
+    assert mismatched < 0.01, mismatched
+
+
 @streamed
 def test_streamed_linear_reads_strided_rows():
     torch.manual_seed(0)
@@ -179,7 +217,10 @@ def test_streamed_linear_checks_its_epilogue_arguments():
 
 def test_a_layer_streams_where_the_kernel_is_faster():
     built = cpu_kernels.op("streamed_linear") is not None
-    for dtype, wanted in [(torch.float32, True), (torch.bfloat16, not cpu_has_fast_bf16())]:
+    # bfloat16: widened where the CPU has no bfloat16 arithmetic, in pairs where it has vector
+    # dot products, oneDNN's where it has AMX tiles
+    bf16 = not cpu_has_fast_bf16() or (cpu_gemm.bf16_pairs() and not cpu_has_amx_bf16())
+    for dtype, wanted in [(torch.float32, True), (torch.bfloat16, bf16)]:
         if not cpu_gemm.supported(torch.device("cpu"), dtype):
             continue  # bfloat16 on a CPU where oneDNN refuses it and the kernel is not built
         head = cpu_gemm.linear(torch.randn(96, 64, dtype=dtype))

@@ -6,8 +6,13 @@
 //   -> x @ W^T (+ bias) [M, n], then + other (epilogue 1) or * other (epilogue 2), with W [n, K]
 //   packed by cpu_gemm.StreamedLinear: 32 of its rows per block, transposed so that each k holds
 //   the block's 32 weights side by side, the last block padded with zeros. x, W, bias, other and
-//   the result share a dtype: float32, or bfloat16 (widened to float32 exactly, summed and
-//   finished in float32, rounded to nearest-even once, as a bfloat16 GEMM with fused ops rounds).
+//   the result share a dtype: float32, or bfloat16 (summed and finished in float32, rounded to
+//   nearest-even once, as a bfloat16 GEMM with fused ops rounds). On CPUs with bfloat16
+//   arithmetic (AVX512-BF16; streamed_bf16_pairs() says true) a bfloat16 weight is packed in
+//   pairs: for k and k + 1, the block's 32 columns' two weights side by side (column j's pair at
+//   2j), a last unpaired k (K odd) as above, and each pair of products is summed by one
+//   VDPBF16PS, which reads bfloat16 subnormals as zero. Elsewhere bfloat16 is widened to float32
+//   exactly and summed k by k.
 //
 // At a few dozen rows such a GEMM is neither compute- nor memory-bound alone: a weight block
 // takes as long to arrive from memory as to multiply, and oneDNN's blocked kernel does one after
@@ -18,9 +23,10 @@
 // the tiles' k loops: 19-20 ms. Each output is one k-ordered float32 sum. More rows than 48 (a
 // prefill) go through each thread's blocks again, 48 at a time. Where helper threads run on spare
 // cores (spare_cores.h, ModelConfig engineSpareCpus), a GEMM of two chunks or more is shared with
-// them, chunk by chunk, with the same sums in the same order. bfloat16 is used here only on
-// CPUs without bfloat16 arithmetic (cpu_gemm.streams), where oneDNN's bfloat16 GEMM runs at a
-// quarter of its float32 rate (with AVX-512) or cannot run at all (AVX2 only).
+// them, chunk by chunk, with the same sums in the same order. Without bfloat16 arithmetic,
+// oneDNN's bfloat16 GEMM runs at a quarter of its float32 rate (with AVX-512) or cannot run at
+// all (AVX2 only); with it, the pairs make this kernel about as fast as oneDNN's on one core,
+// and only this one can be shared with the helpers.
 //
 // Registered as torch.ops.serve_app_cpu.streamed_linear by serve_app/engine/cpu_kernels.py.
 
@@ -37,6 +43,9 @@
 // other CPUs keep oneDNN's GEMM.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SERVE_APP_STREAMED_GEMM 512
+#if defined(__AVX512BF16__)
+#define SERVE_APP_BF16_PAIRS 1  // bfloat16 weights packed in pairs of k, summed by VDPBF16PS
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SERVE_APP_STREAMED_GEMM 256
 #endif
@@ -49,6 +58,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -58,6 +68,11 @@ constexpr int64_t kCols = 32;        // weight rows per packed block (cpu_gemm.S
 constexpr int64_t kMaxRows = 48;     // rows multiplied per pass over the weight
 constexpr int64_t kAheadBlocks = 2;  // blocks asked for ahead of their use
 constexpr int64_t kLine = 64;        // bytes per cache line
+#if defined(SERVE_APP_BF16_PAIRS)
+constexpr bool kPairs = true;
+#else
+constexpr bool kPairs = false;
+#endif
 
 // The vector operations a register tile needs, on `kWidth` floats at a time. A tile is up to
 // `kRows` rows x two vectors of columns; `load`/`store` with a count touch only the first
@@ -194,6 +209,20 @@ struct Finish {
   }
 };
 
+// a register tile's R rows x 2 vectors of float32 sums, finished and stored (the columns past
+// `cols`, a last block's padding, are not written)
+template <int64_t R, typename T>
+void store_tile(const Vec (&acc)[R][2], T* out, int64_t ldo, int64_t cols,
+                const Finish<T>& finish) {
+  for (int64_t r = 0; r < R; ++r) {
+    store(out + r * ldo, finish.apply(acc[r][0], r, 0, cols), cols);
+    if (cols > kWidth) {
+      store(out + r * ldo + kWidth, finish.apply(acc[r][1], r, kWidth, cols - kWidth),
+            cols - kWidth);
+    }
+  }
+}
+
 // out[r, :cols] = x[r, :] @ block[:, :cols] for R rows (x: rows K apart; block: the tile's first
 // column of a packed block, rows kCols apart), finished; while multiplying, `fetch` lines from
 // `ahead` (consecutive, `per_k` for each k) are asked into L2.
@@ -217,23 +246,77 @@ void tile(const float* x, int64_t K, const T* block, T* out, int64_t ldo, int64_
       acc[r][1] = fmadd(a, w1, acc[r][1]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    store(out + r * ldo, finish.apply(acc[r][0], r, 0, cols), cols);
-    if (cols > kWidth) {
-      store(out + r * ldo + kWidth, finish.apply(acc[r][1], r, kWidth, cols - kWidth),
-            cols - kWidth);
-    }
-  }
+  store_tile<R>(acc, out, ldo, cols, finish);
 }
 
+#if defined(SERVE_APP_BF16_PAIRS)
+// The same for a bfloat16 x and a block packed in pairs of k (x: its own bfloat16 rows, K
+// apart): each pair of x's elements is broadcast as one 32-bit lane, and VDPBF16PS adds both
+// products of a column's pair to its float32 sum at once; a last unpaired k is widened and
+// multiplied as above.
+template <int64_t R>
+void pair_tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* block, c10::BFloat16* out,
+               int64_t ldo, int64_t cols, const Finish<c10::BFloat16>& finish, const char* ahead,
+               int64_t fetch, int64_t per_k) {
+  Vec acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
+  const int64_t pairs = K / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const c10::BFloat16* both = block + 2 * p * kCols;  // the pair's 64 weights
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(both);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(both + kCols);
+    if (2 * p * per_k < fetch) {
+      for (int64_t j = 0; j < 2 * per_k; ++j) {
+        __builtin_prefetch(ahead + (2 * p * per_k + j) * kLine, 0, 2);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t two;  // x[r, 2p] and x[r, 2p + 1] (the row address split as in tile above)
+      std::memcpy(&two, x + (r / 3) * 3 * K + 2 * p + (r % 3) * K, sizeof(two));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(two);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, a);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, a);
+    }
+  }
+  if (K % 2 != 0) {
+    const Vec w0 = load(block + (K - 1) * kCols);
+    const Vec w1 = load(block + (K - 1) * kCols + kWidth);
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec a = splat(static_cast<float>(x[r * K + K - 1]));
+      acc[r][0] = fmadd(a, w0, acc[r][0]);
+      acc[r][1] = fmadd(a, w1, acc[r][1]);
+    }
+  }
+  store_tile<R>(acc, out, ldo, cols, finish);
+}
+#endif
+
+// whether a bfloat16 weight is packed in pairs of k here (the layout cpu_gemm packs it in)
+bool streamed_bf16_pairs() { return kPairs; }
+
+// x as the register tiles read it: float32 (a bfloat16 x widened first, exactly), or its own
+// bfloat16 elements for a weight packed in pairs
+template <typename T>
+using XOf = std::conditional_t<std::is_same_v<T, c10::BFloat16> && kPairs,
+                               c10::BFloat16, float>;
+
 template <typename T, int64_t... Rs>
-void tile_of(int64_t rows, std::integer_sequence<int64_t, Rs...>, const float* x, int64_t K,
+void tile_of(int64_t rows, std::integer_sequence<int64_t, Rs...>, const XOf<T>* x, int64_t K,
              const T* block, T* out, int64_t ldo, int64_t cols, const Finish<T>& finish,
              const char* ahead, int64_t fetch, int64_t per_k) {
-  ((rows == Rs + 1
-        ? tile<Rs + 1>(x, K, block, out, ldo, cols, finish, ahead, fetch, per_k)
-        : void()),
-   ...);
+  if constexpr (std::is_same_v<XOf<T>, float>) {
+    ((rows == Rs + 1
+          ? tile<Rs + 1>(x, K, block, out, ldo, cols, finish, ahead, fetch, per_k)
+          : void()),
+     ...);
+  } else {
+#if defined(SERVE_APP_BF16_PAIRS)
+    ((rows == Rs + 1
+          ? pair_tile<Rs + 1>(x, K, block, out, ldo, cols, finish, ahead, fetch, per_k)
+          : void()),
+     ...);
+#endif
+  }
 }
 
 // The rows in groups of at most kRows, each multiplied by a register tile: slices of equal size
@@ -260,7 +343,7 @@ std::vector<std::vector<Group>> slice_rows(int64_t M) {
   return slices;
 }
 
-// x: float32 [M, K], contiguous (a bfloat16 x is widened first, exactly), times the packed
+// x: [M, K], contiguous, as XOf<T> (float32, or bfloat16 for a weight in pairs), times the packed
 // weight's blocks. A range of blocks is gone through once per slice of rows, so a many-row x (a
 // prefill) meets no barrier between slices and the range's blocks stay in its thread's cache from
 // one slice to the next. A block is multiplied by one register tile per group of rows and per
@@ -268,7 +351,7 @@ std::vector<std::vector<Group>> slice_rows(int64_t M) {
 // half).
 template <typename T>
 struct Gemm {
-  const float* xd;
+  const XOf<T>* xd;
   std::vector<std::vector<Group>> slices;
   const T* wd;
   int64_t K, n, blocks;
@@ -369,7 +452,7 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
   const int64_t M;
   const std::vector<int64_t> bounds;
   T* const out;
-  const std::vector<at::Tensor> keep;  // x (as float32), the weight, bias and other
+  const std::vector<at::Tensor> keep;  // x (as the tiles read it), the weight, bias and other
 };
 
 // Blocks per chunk when helpers share a GEMM: about 0.2 ms of work each (a block costs its
@@ -429,16 +512,20 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_
               "other must be [M, n] with contiguous rows, in x's dtype");
   auto out = at::empty({M, n}, x.options());
   if (M == 0) return out;  // (K == 0 goes through: the tiles finish sums of nothing, zeros)
-  const auto xf = x.to(at::kFloat).contiguous();
-  std::vector<at::Tensor> keep{xf, packed};
+  using XB = XOf<c10::BFloat16>;
+  const auto xs = x.to(x.scalar_type() == at::kFloat || std::is_same_v<XB, float>
+                           ? at::kFloat
+                           : at::kBFloat16)
+                      .contiguous();
+  std::vector<at::Tensor> keep{xs, packed};
   if (bias) keep.push_back(*bias);
   if (epilogue != kNone) keep.push_back(*other);
   if (x.scalar_type() == at::kFloat) {
-    Gemm<float> g{xf.data_ptr<float>(), slice_rows(M), packed.data_ptr<float>(), K, n, blocks,
+    Gemm<float> g{xs.data_ptr<float>(), slice_rows(M), packed.data_ptr<float>(), K, n, blocks,
                   finish_of<float>(bias, other, epilogue)};
     gemm(std::move(g), M, out.data_ptr<float>(), std::move(keep));
   } else {
-    Gemm<c10::BFloat16> g{xf.data_ptr<float>(), slice_rows(M), packed.data_ptr<c10::BFloat16>(),
+    Gemm<c10::BFloat16> g{xs.data_ptr<XB>(), slice_rows(M), packed.data_ptr<c10::BFloat16>(),
                           K, n, blocks, finish_of<c10::BFloat16>(bias, other, epilogue)};
     gemm(std::move(g), M, out.data_ptr<c10::BFloat16>(), std::move(keep));
   }
@@ -451,6 +538,7 @@ TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
   m.def(
       "streamed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None, Tensor? other=None, "
       "int epilogue=0) -> Tensor");
+  m.def("streamed_bf16_pairs() -> bool", &streamed_bf16_pairs);
 }
 
 TORCH_LIBRARY_IMPL(serve_app_cpu, CPU, m) { m.impl("streamed_linear", &streamed_linear); }
