@@ -56,7 +56,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
 )
 from peers import PeerUnavailable, vllm_python  # noqa: E402
 
-from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
+from serve_app.engine import LLM, EngineRequest, SamplingParams, cpu_gemm  # noqa: E402
 from serve_app.models.loader import load_model, resolve_model_path  # noqa: E402
 
 WARMUP_TOKENS = 4  # output tokens of every warm-up run
@@ -469,10 +469,12 @@ def measure_vllm(bench: DtypeBench, model_path: Path) -> None:
 
 def gemm_gflops(dtype: torch.dtype, n: int = GEMM_N, reps: int = 10) -> tuple[float, int]:
     """This machine's compute roofline as the bench measures it: the GFLOP/s of an n x n input
-    through an n x n linear layer's weight (torch's F.linear, as every model's Linear), and the n
-    it was measured at. Where torch has no fast kernel for the dtype (bfloat16 on a CPU without
-    AVX-512: 12-20 GFLOP/s) a smaller n is taken, the largest whose products fit in GEMM_SECONDS
-    by a first timing at 256."""
+    through an n x n linear layer's weight, the faster of torch's F.linear (as every model's
+    Linear) and, where oneDNN prepacks the dtype, oneDNN's GEMM on the prepacked weight (on AMD
+    CPUs torch's float32 F.linear goes to MKL, which takes its AVX2 path there: 209 against
+    oneDNN's 454 GFLOP/s on a 2-core Zen 5), and the n it was measured at. Where torch has no
+    fast kernel for the dtype (bfloat16 on a CPU without AVX-512: 12-20 GFLOP/s) a smaller n is
+    taken, the largest whose products fit in GEMM_SECONDS by a first timing at 256."""
     rate = _matmul_rate(dtype, 256, 1)
     while n > 256 and 2 * n**3 * (reps + 3) / (rate * 1e9) > GEMM_SECONDS:
         n //= 2
@@ -483,12 +485,18 @@ def _matmul_rate(dtype: torch.dtype, n: int, reps: int) -> float:
     # F.linear(a, b) = a @ b^T: the weight's layout. A bfloat16 `a @ b` with b as stored takes
     # another path in torch 2.13 on CPUs without AVX-512, ~15x slower (1.2 against 16 GFLOP/s)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(3):
-        F.linear(a, b)
-    start = time.perf_counter()
-    for _ in range(reps):
-        F.linear(a, b)
-    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
+    gemms = [partial(F.linear, a, b)]
+    if cpu_gemm.onednn_packs(dtype):
+        gemms.append(partial(cpu_gemm.PackedLinear(b), a))
+    rates = []
+    for gemm in gemms:
+        for _ in range(3):
+            gemm()
+        start = time.perf_counter()
+        for _ in range(reps):
+            gemm()
+        rates.append(2 * n**3 * reps / (time.perf_counter() - start) / 1e9)
+    return max(rates)
 
 
 @dataclass(frozen=True)

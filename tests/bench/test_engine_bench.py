@@ -8,6 +8,7 @@ import importlib.util
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,21 @@ def test_a_gemm_torch_has_no_fast_kernel_for_is_timed_smaller(eb, monkeypatch):
     gflops, n = eb.gemm_gflops(eb.torch.bfloat16)
     assert gflops == 0.3 and n == 512  # 13 products of 1024^3 would take ~93 s, of 512^3 ~12
     assert sizes == [256, 2048, 256, 512]
+
+
+def test_the_roof_is_the_faster_of_torchs_gemm_and_onednns(eb, monkeypatch):
+    # torch's float32 F.linear goes to MKL, which runs its AVX2 path on AMD CPUs (half of
+    # oneDNN's rate on a Zen 5): a slow F.linear must not lower the roof below oneDNN's GEMM
+    if not eb.cpu_gemm.onednn_packs(eb.torch.float32):
+        pytest.skip("this torch's oneDNN does not prepack float32 here")
+    linear = eb.F.linear
+
+    def slow(*args):
+        time.sleep(0.02)  # 64^3 products at ~0.03 GFLOP/s
+        return linear(*args)
+
+    monkeypatch.setattr(eb.F, "linear", slow)
+    assert eb._matmul_rate(eb.torch.float32, 64, 3) > 1.0
 
 
 def test_transformers_are_skipped_where_torch_would_take_hours(eb, tmp_path, monkeypatch, capsys):
