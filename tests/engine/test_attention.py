@@ -52,3 +52,27 @@ def test_attend_takes_an_output_laid_out_heads_last(monkeypatch):
     expected = attention._attend(q, k, v, None, None)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", heads_last)
     assert torch.equal(attention._attend(q, k, v, None, None), expected)
+
+
+def test_transformers_builds_no_mask_for_the_engines_steps(monkeypatch):
+    # the paged attention masks with the step's metadata; transformers' mask builders must
+    # return at once for it (no argument checks, no search for packed sequences per forward)
+    from transformers import masking_utils
+
+    from serve_app.engine.llm import LLM
+    from serve_app.engine.params import SamplingParams
+
+    preprocess = masking_utils._preprocess_mask_arguments
+    exits = []
+
+    def record(*args, **kwargs):
+        result = preprocess(*args, **kwargs)
+        exits.append(result[0])
+        return result
+
+    monkeypatch.setattr(masking_utils, "_preprocess_mask_arguments", record)
+    llm = LLM("demo-tiny", num_kv_blocks=8)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [out] = llm.generate([[1, 2, 3, 4]], params)
+    assert len(out.outputs[0].token_ids) == 3
+    assert exits and all(exits)  # a prefill and decodes: every mask builder exited early
