@@ -650,6 +650,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="PNG prefix (default: --out without .json); needs matplotlib",
     )
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        metavar="RESULT.json",
+        help="send nothing: draw the plots of a result this bench wrote (to --plot, default the "
+        "result's path without .json), e.g. after installing matplotlib",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument(
         "--peers",
@@ -783,14 +790,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.timeout <= 0 or args.max_run_s <= 0:
         parser.error("--timeout and --max-run-s must be > 0")
     if args.plot is None and not args.no_plot:
-        args.plot = args.out.with_suffix("")
+        args.plot = (args.replot or args.out).with_suffix("")
     elif args.no_plot:
         args.plot = None
     return args
 
 
+def replot(path: Path, prefix: Path) -> list[Path]:
+    """The plots of a result this bench wrote, drawn again from its JSON."""
+    report = json.loads(path.read_text())
+    workload = report["workload"]
+    levels = workload["levels"]
+    args = argparse.Namespace(
+        levels=levels, rate=levels if workload["mode"] == "poisson_rate" else None
+    )
+    return plot(report["results"], prefix, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot is not None:
+        for path in replot(args.replot, args.plot or args.replot.with_suffix("")):
+            print(f"wrote {path}")
+        return 0
     bench(args)
     return 0
 

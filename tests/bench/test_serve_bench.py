@@ -318,3 +318,22 @@ def test_sweep_against_the_app(sb, base_url, tmp_path, api):
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / f"{api}-throughput.png").exists()
         assert (tmp_path / f"{api}-latency.png").exists()
+
+
+def test_replot_draws_a_saved_result_again_without_sending(sb, tmp_path, monkeypatch):
+    saved = tmp_path / "sweep.json"
+    results = {"ours": {"levels": [{"level": 2, "output_tokens_per_s": 5.0}]}}
+    workload = {"mode": "poisson_rate", "levels": [2.0]}
+    saved.write_text(json.dumps({"workload": workload, "results": results}))
+    drawn = []
+
+    def plot(res, prefix, args):
+        drawn.append((res, prefix, args.levels, args.rate))
+        return [Path(f"{prefix}-throughput.png")]
+
+    monkeypatch.setattr(sb, "plot", plot)
+    monkeypatch.setattr(sb, "bench", lambda args: pytest.fail("a replot sends no request"))
+    assert sb.main(["--replot", str(saved)]) == 0
+    assert drawn == [(results, tmp_path / "sweep", [2.0], [2.0])]
+    assert sb.main(["--replot", str(saved), "--plot", str(tmp_path / "other")]) == 0
+    assert drawn[-1][1] == tmp_path / "other"
