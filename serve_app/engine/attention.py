@@ -2,10 +2,20 @@
 
 The model runs once per step over all scheduled tokens of all sequences, concatenated. Per-step
 metadata (built once, used by every layer) says where each token's K/V goes in the paged cache
-and which cached positions each query may see. Sequences with one new token (decodes) attend
-over their gathered blocks in one batched call, or through a kernel that reads the blocks in
-place where the runner has one (cpu_kernels, on CPU); prompt chunks are padded into a second
-batched call, reading fresh K/V directly when no sequence has cached context.
+and which cached positions each query may see. Where the runner has a kernel that reads the
+blocks in place (cpu_kernels, on CPU), every token attends through it: a decode over its
+sequence's context, and each token of a prompt chunk, as a query row of its own, over its
+sequence's cache up to and including itself (the chunk's K/V is written into the cache first).
+Without one, decodes attend over their gathered blocks in one batched call, and prompt chunks
+are padded into a second batched call under a causal mask, reading fresh K/V directly when no
+sequence has cached context.
+
+Measured on a 2-core AMD EPYC (Zen 5, bfloat16, demo model, the step loop on one core with a
+helper on the other): a 2048-token prompt's prefill 957 -> 300 ms, of which attention 795 -> 168
+ms. torch's flash attention for CPU computes every key block under an explicit mask (the causal
+half too) and, without AMX, multiplies bfloat16 through MKL's generic path; the kernel skips the
+keys past each row, uses the CPU's bfloat16 dot products, and is shared with the spare cores'
+helpers.
 """
 
 from __future__ import annotations
@@ -88,6 +98,12 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
         decoded = _attend(q[:nd].unsqueeze(2), keys, values, md.decode_mask, scaling).squeeze(2)
     if nd == q.shape[0]:  # decodes only: their output is the whole result
         return decoded.unsqueeze(0), None
+    if md.prefill_row_lens is not None:  # prompt tokens as query rows of the same kernel
+        scale = scaling if scaling is not None else head_dim**-0.5
+        rows = md.decode_kernel(
+            q[nd:], k_cache, v_cache, md.prefill_row_tables, md.prefill_row_lens, scale
+        )
+        return (torch.cat((decoded, rows)) if nd else rows).unsqueeze(0), None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decoded

@@ -33,6 +33,11 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None
     # a kernel reading decode keys/values in place (cpu_kernels): then no decode_slots/mask
     decode_kernel: Callable | None = None
+    # with decode_kernel: every prompt token as a query row of its own, over its sequence's
+    # cache up to and including itself (the prompt's K/V is written before attention), so
+    # prompts attend through the same kernel; then no prefill index, mask or slots
+    prefill_row_tables: torch.Tensor | None = None  # [Tp, max_blocks]
+    prefill_row_lens: torch.Tensor | None = None  # [Tp]
     # prompt chunks all of one length, none with cached context: the packed tokens are the
     # batch as it is (no gather, no padding)
     prefill_dense: bool = False
@@ -61,8 +66,8 @@ def build_metadata(
     decode_kernel: Callable | None = None,
 ) -> AttentionMetadata:
     """Metadata for `seqs` (anything with num_computed_tokens and block_table), decodes first.
-    With a decode_kernel, decodes attend through it (block tables and lengths) rather than over
-    gathered slots under a mask."""
+    With a decode_kernel, decodes and every prompt token attend through it (block tables and
+    lengths: one row per prompt token) rather than over gathered slots under a mask."""
     size = block_size
 
     def tensor(data):
@@ -97,7 +102,16 @@ def build_metadata(
             keys = torch.arange(max(lengths), device=device)
             md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
     prompts, lens = seqs[nd:], num_new[nd:]
-    if prompts:
+    if prompts and decode_kernel is not None:
+        first = [s.num_computed_tokens for s in prompts]
+        md.prefill_query_lens = tensor(lens)
+        md.prefill_context_lens = tensor([f + n for f, n in zip(first, lens, strict=True)])
+        tables = _block_tables(prompts, -(-int(md.prefill_context_lens.max()) // size), device)
+        md.prefill_block_tables = tables if any(first) else None
+        md.prefill_row_tables = tables.repeat_interleave(md.prefill_query_lens, dim=0)
+        rows = [torch.arange(f + 1, f + n + 1) for f, n in zip(first, lens, strict=True)]
+        md.prefill_row_lens = torch.cat(rows).to(device)
+    elif prompts:
         q_max = max(lens)
         starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
         offsets = torch.arange(q_max)

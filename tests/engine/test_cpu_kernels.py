@@ -263,3 +263,42 @@ def test_every_kernel_file_ships_and_counts_in_the_fingerprint():
         for name in re.findall(r'#include "([^"]+)"', source.read_text())
     }
     assert included and included <= set(cpu_kernels.HEADERS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_attend_through_the_kernel_as_the_masked_path_does(op, dtype):
+    # a decode, a fresh prompt and a prompt after 8 cached tokens in one step: with the kernel
+    # each prompt token is a query row over its sequence's cache up to itself; without, the
+    # prompts go through sdpa under a causal mask over gathered keys
+    from types import SimpleNamespace
+
+    from serve_app.engine.attention import torch_paged_attention
+    from serve_app.engine.attention_metadata import build_metadata
+
+    class Seq:
+        def __init__(self, computed, table):
+            self.num_computed_tokens, self.block_table = computed, table
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, size = 6, 2, 64, 4
+    seqs, new = [Seq(9, [5, 1, 7]), Seq(0, [0, 3]), Seq(8, [2, 6, 4])], [1, 5, 4]
+    caches = [tuple(torch.randn(8, size, kv_heads, dim, generator=gen).to(dtype) for _ in "kv")]
+    query, key, value = (
+        torch.randn(1, h, sum(new), dim, generator=gen).to(dtype)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    outputs = []
+    for kernel in (op, None):
+        layer = [tuple(c.clone() for c in caches[0])]
+        md = build_metadata(seqs, new, layer, size, torch.device("cpu"), kernel)
+        out, _ = torch_paged_attention(
+            SimpleNamespace(layer_idx=0), query, key, value, None, attn_metadata=md
+        )
+        outputs.append(out)
+        if kernel is not None:  # rows: the prompts' tokens, each over its sequence up to itself
+            assert md.prefill_row_lens.tolist() == [1, 2, 3, 4, 5, 9, 10, 11, 12]
+            assert md.prefill_row_tables[:5].tolist() == [[0, 3, 0]] * 5
+            assert md.prefill_row_tables[5:].tolist() == [[2, 6, 4]] * 4
+            assert md.prefill_mask is None and md.prefill_slots is None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=tol, atol=tol)
