@@ -1,8 +1,9 @@
 """Per-step attention metadata: built once from the scheduled batch, read by every layer.
 
 Says where each new token's K/V goes in the paged cache (slot mapping) and which cached
-positions each query may see (slots, masks, lengths and block tables, the last two for the NPU
-kernels). The batch lists one-token sequences (decodes) first, then prompt chunks.
+positions each query may see (slots and masks for torch's sdpa; lengths and block tables for
+the NPU kernels and the CPU kernel, which takes every token as a row of its own). The batch lists
+one-token sequences (decodes) first, then prompt chunks.
 """
 
 from __future__ import annotations
