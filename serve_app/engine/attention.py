@@ -85,25 +85,18 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
-    nd = md.num_decodes
-    if nd and md.decode_kernel is not None:
+    if md.row_lens is not None:  # every token a query row of the kernel
         scale = scaling if scaling is not None else head_dim**-0.5
         # q as the projection left it: the kernel reads strided rows
-        decoded = md.decode_kernel(
-            q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, scale
-        )
-    elif nd:
+        out = md.decode_kernel(q, k_cache, v_cache, md.row_tables, md.row_lens, scale)
+        return out.unsqueeze(0), None
+    nd = md.num_decodes
+    if nd:
         keys = _gather(k_cache, md.decode_slots)
         values = _gather(v_cache, md.decode_slots)
         decoded = _attend(q[:nd].unsqueeze(2), keys, values, md.decode_mask, scaling).squeeze(2)
     if nd == q.shape[0]:  # decodes only: their output is the whole result
         return decoded.unsqueeze(0), None
-    if md.prefill_row_lens is not None:  # prompt tokens as query rows of the same kernel
-        scale = scaling if scaling is not None else head_dim**-0.5
-        rows = md.decode_kernel(
-            q[nd:], k_cache, v_cache, md.prefill_row_tables, md.prefill_row_lens, scale
-        )
-        return (torch.cat((decoded, rows)) if nd else rows).unsqueeze(0), None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decoded

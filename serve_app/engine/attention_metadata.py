@@ -34,11 +34,11 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None
     # a kernel reading decode keys/values in place (cpu_kernels): then no decode_slots/mask
     decode_kernel: Callable | None = None
-    # with decode_kernel: every prompt token as a query row of its own, over its sequence's
-    # cache up to and including itself (the prompt's K/V is written before attention), so
-    # prompts attend through the same kernel; then no prefill index, mask or slots
-    prefill_row_tables: torch.Tensor | None = None  # [Tp, max_blocks]
-    prefill_row_lens: torch.Tensor | None = None  # [Tp]
+    # with decode_kernel: every token as a query row of its own, over its sequence's cache up
+    # to and including itself (the step's K/V is written before attention): a decode is one
+    # row, a prompt chunk one per token; then no prefill index, mask or slots
+    row_tables: torch.Tensor | None = None  # [T, max_blocks]
+    row_lens: torch.Tensor | None = None  # [T]
     # prompt chunks all of one length, none with cached context: the packed tokens are the
     # batch as it is (no gather, no padding)
     prefill_dense: bool = False
@@ -67,8 +67,8 @@ def build_metadata(
     decode_kernel: Callable | None = None,
 ) -> AttentionMetadata:
     """Metadata for `seqs` (anything with num_computed_tokens and block_table), decodes first.
-    With a decode_kernel, decodes and every prompt token attend through it (block tables and
-    lengths: one row per prompt token) rather than over gathered slots under a mask."""
+    With a decode_kernel, every token attends through it (block tables and lengths, a row per
+    token) rather than over gathered slots under a mask."""
     size = block_size
 
     def tensor(data):
@@ -102,16 +102,21 @@ def build_metadata(
             md.decode_slots = _key_slots(md.decode_block_tables, max(lengths), size)
             keys = torch.arange(max(lengths), device=device)
             md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
+    if decode_kernel is not None and seqs:
+        first = [s.num_computed_tokens for s in seqs]
+        ends = [f + n for f, n in zip(first, num_new, strict=True)]
+        tables = _block_tables(seqs, -(-max(ends) // size), device)
+        md.row_tables = tables.repeat_interleave(tensor(num_new), dim=0)
+        rows = [torch.arange(f + 1, e + 1) for f, e in zip(first, ends, strict=True)]
+        md.row_lens = torch.cat(rows).to(device)
     prompts, lens = seqs[nd:], num_new[nd:]
-    if prompts and decode_kernel is not None:
+    if prompts and decode_kernel is not None:  # the lengths and tables the NPU kernels take
         first = [s.num_computed_tokens for s in prompts]
         md.prefill_query_lens = tensor(lens)
         md.prefill_context_lens = tensor([f + n for f, n in zip(first, lens, strict=True)])
-        tables = _block_tables(prompts, -(-int(md.prefill_context_lens.max()) // size), device)
-        md.prefill_block_tables = tables if any(first) else None
-        md.prefill_row_tables = tables.repeat_interleave(md.prefill_query_lens, dim=0)
-        rows = [torch.arange(f + 1, f + n + 1) for f, n in zip(first, lens, strict=True)]
-        md.prefill_row_lens = torch.cat(rows).to(device)
+        if any(first):
+            longest = int(md.prefill_context_lens.max())
+            md.prefill_block_tables = _block_tables(prompts, -(-longest // size), device)
     elif prompts:
         q_max = max(lens)
         starts = torch.tensor([0, *lens[:-1]]).cumsum(0)

@@ -295,10 +295,11 @@ def test_prompts_attend_through_the_kernel_as_the_masked_path_does(op, dtype):
             SimpleNamespace(layer_idx=0), query, key, value, None, attn_metadata=md
         )
         outputs.append(out)
-        if kernel is not None:  # rows: the prompts' tokens, each over its sequence up to itself
-            assert md.prefill_row_lens.tolist() == [1, 2, 3, 4, 5, 9, 10, 11, 12]
-            assert md.prefill_row_tables[:5].tolist() == [[0, 3, 0]] * 5
-            assert md.prefill_row_tables[5:].tolist() == [[2, 6, 4]] * 4
+        if kernel is not None:  # rows: every token, each over its sequence up to itself
+            assert md.row_lens.tolist() == [10, 1, 2, 3, 4, 5, 9, 10, 11, 12]
+            assert md.row_tables[0].tolist() == [5, 1, 7]
+            assert md.row_tables[1:6].tolist() == [[0, 3, 0]] * 5
+            assert md.row_tables[6:].tolist() == [[2, 6, 4]] * 4
             assert md.prefill_mask is None and md.prefill_slots is None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outputs[0], outputs[1], rtol=tol, atol=tol)
