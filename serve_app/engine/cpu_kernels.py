@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from serve_app.engine.device import cpu_flags
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -65,14 +67,7 @@ def _fingerprint() -> str:
     """The CPU's feature flags, the torch build and the sources: a build is reused only on the
     machine kind it was tuned for."""
     digest = hashlib.sha256()
-    try:
-        flags = next(
-            (line for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith(("flags", "Features"))),
-            "",
-        )  # fmt: skip
-    except OSError:
-        flags = ""
+    flags = cpu_flags()
     digest.update(f"{platform.machine()}|{flags}|{torch.__version__}|{_cflags()}".encode())
     for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())

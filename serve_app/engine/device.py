@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -32,23 +33,27 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def _cpuinfo() -> str:
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's feature flags: /proc/cpuinfo's first `flags` (x86) or `Features` (Arm) line,
+    read once; "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            return f.read()
+            lines = f.read().splitlines()
     except OSError:
         return ""
+    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
 
 
 def cpu_has_fast_bf16() -> bool:
-    flags = _cpuinfo()
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_has_amx_bf16() -> bool:
     """Intel's AMX tiles with bfloat16 (Sapphire Rapids and later): oneDNN multiplies bfloat16
     there in tile instructions, many times the rate of vector dot products."""
-    return "amx_bf16" in _cpuinfo()
+    return "amx_bf16" in cpu_flags()
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
