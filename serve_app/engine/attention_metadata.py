@@ -32,7 +32,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     prefill_query_lens: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
-    # a kernel reading decode keys/values in place (cpu_kernels): then no decode_slots/mask
+    # a kernel reading decode keys/values in place (cpu_kernels, triton_attention): then no
+    # decode_slots/mask; it takes decode_block_tables and decode_context_lens
     decode_kernel: Callable | None = None
     # with decode_kernel: every token as a query row of its own, over its sequence's cache up
     # to and including itself (the step's K/V is written before attention): a decode is one
@@ -65,11 +66,15 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     decode_kernel: Callable | None = None,
+    prompt_rows: bool = True,
 ) -> AttentionMetadata:
     """Metadata for `seqs` (anything with num_computed_tokens and block_table), decodes first.
-    With a decode_kernel, every token attends through it (block tables and lengths, a row per
-    token) rather than over gathered slots under a mask."""
+    With a decode_kernel, decodes attend through it (block tables and lengths) rather than over
+    gathered slots under a mask, and with prompt_rows every prompt token too, as a row of its
+    own (the CPU kernel); without, prompt chunks keep the masked path (on a GPU, where one
+    batched sdpa call over a chunk beats re-reading the context once per token)."""
     size = block_size
+    every_token = decode_kernel is not None and prompt_rows  # every token a kernel row
 
     def tensor(data):
         return torch.tensor(data, dtype=torch.long, device=device)
@@ -102,7 +107,7 @@ def build_metadata(
             md.decode_slots = _key_slots(md.decode_block_tables, max(lengths), size)
             keys = torch.arange(max(lengths), device=device)
             md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
-    if decode_kernel is not None and seqs:
+    if every_token and seqs:
         first = [s.num_computed_tokens for s in seqs]
         ends = [f + n for f, n in zip(first, num_new, strict=True)]
         tables = _block_tables(seqs, -(-max(ends) // size), device)
@@ -110,7 +115,7 @@ def build_metadata(
         rows = [torch.arange(f + 1, e + 1) for f, e in zip(first, ends, strict=True)]
         md.row_lens = torch.cat(rows).to(device)
     prompts, lens = seqs[nd:], num_new[nd:]
-    if prompts and decode_kernel is not None:  # the lengths and tables the NPU kernels take
+    if prompts and every_token:  # the lengths and tables the NPU kernels take
         first = [s.num_computed_tokens for s in prompts]
         md.prefill_query_lens = tensor(lens)
         md.prefill_context_lens = tensor([f + n for f, n in zip(first, lens, strict=True)])
