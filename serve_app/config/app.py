@@ -81,6 +81,7 @@ class AppConfig(BaseModel):
             engine_process=model.engineProcess,
             engine_cpus=parse_cpus(model.engineCpus),
             engine_spare_cpus=parse_cpus(model.engineSpareCpus),
+            enforce_eager=model.enforceEager,
         )
 
     def serving_cores(self) -> set[int] | None:

@@ -111,6 +111,14 @@ class ModelConfig(BaseModel):
         ),
     )
 
+    enforceEager: bool = Field(
+        _ENGINE.enforce_eager,
+        description=(
+            "(extension) On CUDA, run every decode step eagerly instead of replaying the decode "
+            "steps captured as CUDA graphs at start (one graph per padded batch size)."
+        ),
+    )
+
     @field_validator("engineCpus", "engineSpareCpus")
     @classmethod
     def _cpus(cls, value: str) -> str:

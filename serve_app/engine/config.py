@@ -69,6 +69,8 @@ class EngineConfig:
     engine_process: bool = False
     engine_cpus: tuple[int, ...] = ()
     engine_spare_cpus: tuple[int, ...] = ()
+    # CUDA: decode steps run eagerly instead of replaying captured graphs (cuda_graphs.py)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         found = problems(self.by_mindie_name())

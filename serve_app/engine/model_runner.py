@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.engine import attention, cpu_gemm, cpu_kernels, cpu_layers, kv_transfer
+from serve_app.engine import (
+    attention,
+    cpu_gemm,
+    cpu_kernels,
+    cpu_layers,
+    cuda_graphs,
+    kv_transfer,
+    triton_attention,
+)
 from serve_app.engine.attention_metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
@@ -32,7 +40,11 @@ class ModelRunner:
         self.lm_head = self._plain_lm_head()
         self.packed_linears = 0  # CPU: the decoder's other Linears and the head (cpu_gemm.linear)
         self.fused_layers = 0  # CPU: decoder layers computed by cpu_layers.FusedDecoderLayer
-        self.decode_kernel = None  # CPU: decode attention reading the paged cache in place
+        self.decode_kernel = None  # decode attention reading the paged cache in place
+        self.prompt_rows = True  # the kernel takes prompt tokens too, a row each (CPU)
+        if self.device.type == "cuda" and triton_attention.available():
+            self.decode_kernel = triton_attention.paged_decode_attention
+            self.prompt_rows = False  # prompt chunks: one batched sdpa call each step
         if cpu_gemm.supported(self.device, self.dtype):
             self.decode_kernel = cpu_kernels.paged_decode_attention()
             decoder = self.model.get_decoder()
@@ -42,8 +54,10 @@ class ModelRunner:
             if self.lm_head is not None:
                 self.lm_head = cpu_gemm.linear(self.lm_head.weight)
                 self.packed_linears += 1
-        self.num_blocks = self._num_blocks()
-        self.kv_caches = self._allocate_kv()
+        self.num_blocks = self._num_blocks()  # the pool's; a scratch block more with graphs
+        graphs = self._use_decode_graphs()
+        self.kv_caches = self._allocate_kv(self.num_blocks + int(graphs))
+        self.decode_graphs = self._capture_decode_graphs() if graphs else None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -89,8 +103,8 @@ class ModelRunner:
             budget = int(0.8 * free_memory_bytes(self.device))
         return max(1, budget // self.bytes_per_block)
 
-    def _allocate_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.num_blocks, *self.kv_shape)
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, *self.kv_shape)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -98,6 +112,26 @@ class ModelRunner:
             )
             for _ in range(self.hf_config.num_hidden_layers)
         ]
+
+    def _use_decode_graphs(self) -> bool:
+        """Decode steps as CUDA graphs: on CUDA with the paged decode kernel (the graphs need
+        its device-side lengths), unless enforceEager."""
+        cuda = self.device.type == "cuda"
+        return cuda and self.decode_kernel is not None and not self.config.enforce_eager
+
+    def _capture_decode_graphs(self) -> cuda_graphs.DecodeGraphs:
+        graphs = cuda_graphs.DecodeGraphs(
+            self._forward,
+            self.kv_caches,
+            self.decode_kernel,
+            self.block_size,
+            scratch_block=self.num_blocks,  # past the pool's blocks: never handed out
+            max_batch=self.config.max_batch_size,
+            max_blocks=-(-self.config.max_seq_len // self.block_size),
+            device=self.device,
+        )
+        graphs.capture()
+        return graphs
 
     # -- per step -------------------------------------------------------------------------------
 
@@ -126,6 +160,9 @@ class ModelRunner:
     def execute(self, seqs: list[Sequence], num_new: list[int], sample: list[int]) -> torch.Tensor:
         """Run one step; return logits [len(sample), vocab] for seqs[i] in sample, in the
         model's dtype (the sampler widens them to float32 where it needs more than an argmax)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.covers(seqs, num_new):
+            return graphs.run(seqs)[self._tensor(sample)]
         order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
         seqs = [seqs[i] for i in order]
         num_new = [num_new[i] for i in order]
@@ -138,16 +175,19 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             last[i] = len(ids) - 1
         md = build_metadata(
-            seqs, num_new, self.kv_caches, self.block_size, self.device, self.decode_kernel
-        )
+            seqs, num_new, self.kv_caches, self.block_size, self.device, self.decode_kernel,
+            self.prompt_rows,
+        )  # fmt: skip
         keep = self._tensor([last[i] for i in sample])
+        return self._forward(self._tensor(ids)[None], self._tensor(positions)[None], md, keep)
+
+    def _forward(self, input_ids, position_ids, md, keep: torch.Tensor | None = None):
+        """Logits at the packed positions `keep` (every position when None)."""
         inputs = dict(
-            input_ids=self._tensor(ids)[None],
-            position_ids=self._tensor(positions)[None],
-            attn_metadata=md,
-            use_cache=False,
+            input_ids=input_ids, position_ids=position_ids, attn_metadata=md, use_cache=False
         )
         if self.lm_head is None:  # a head with extras (scaling, capping): the model's own
-            return self.model(**inputs, logits_to_keep=keep).logits[0]
-        hidden = self.model.get_decoder()(**inputs).last_hidden_state[0, keep]
-        return self.lm_head(hidden)
+            kept = 0 if keep is None else keep  # transformers: 0 keeps every position
+            return self.model(**inputs, logits_to_keep=kept).logits[0]
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state[0]
+        return self.lm_head(hidden if keep is None else hidden[keep])
