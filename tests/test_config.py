@@ -372,6 +372,7 @@ def test_engine_config_maps_every_field():
             "npuMemSize": 3,
             "engineProcess": True,
             "engineCpus": "2-3,0",
+            "enforceEager": True,
         },
     ]
     cfg = load_config(
@@ -418,6 +419,7 @@ def test_engine_config_maps_every_field():
         e2e_timeout_s=70.0,
         engine_process=True,
         engine_cpus=(0, 2, 3),
+        enforce_eager=True,
     )
     assert cfg.BackendConfig.ModelDeployConfig.ModelConfig[1].engineCpus == "0,2,3"
     assert cfg.engine_config().model_name == "first"
