@@ -154,6 +154,7 @@ def build_ours(args, dtype: str) -> LLM:
         max_iter_times=args.output_len,
         block_size=args.block_size,
         num_kv_blocks=2 * args.requests * per_seq,  # room for the warm-up's cached prefixes too
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -296,6 +297,7 @@ class DtypeBench:
     skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
     gemm: dict[str, tuple[float, int]] | None = None  # gemm_rates, once measured
     batch_steps: list[float] = field(default_factory=list)  # ours, all requests decoding
+    graph_sizes: list[int] | None = None  # ours on CUDA: the decode steps captured as graphs
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -328,6 +330,10 @@ def measure_ours(bench: DtypeBench) -> tuple[dict, list[float]]:
     bench.log("loading our engine ...")
     llm = build_ours(bench.args, bench.dtype)
     bench.device = llm.engine.runner.device
+    graphs = llm.engine.runner.decode_graphs
+    bench.graph_sizes = graphs.sizes if graphs is not None else None
+    if graphs is not None:
+        bench.log(f"ours: decode steps as CUDA graphs, batch sizes {graphs.sizes}")
     config = dataclasses.asdict(llm.config)
     bench.log(f"ours: warm-up, then {len(bench.prompts)} requests on {bench.device} ...")
     bench.warm_then_time("ours", "ours", partial(run_ours, llm))
@@ -714,6 +720,7 @@ def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -
     return {
         "device": str(bench.device),
         "ours_config": ours_config,
+        "ours_decode_graphs": bench.graph_sizes,
         "hf_cb_config": cb_config,
         "hf_attn_implementation": attn,
         "systems": bench.systems,
@@ -751,7 +758,9 @@ def print_memory_roofline(mem: dict | None) -> None:
 
 def print_report(dtype: str, result: dict) -> None:
     systems, ratios = result["systems"], result["ratios_ours_over"]
-    print(f"\n== {dtype} on {result['device']} ==")
+    graphs = result.get("ours_decode_graphs")
+    how = f", ours' decode steps as CUDA graphs ({len(graphs)} batch sizes)" if graphs else ""
+    print(f"\n== {dtype} on {result['device']}{how} ==")
     print(f"{'system':<40} {'tok/s':>9} {'ours/x':>8}  {'target':<9} {'met':<4} agrees")
     for key, label, _target, text in SYSTEMS:
         if key not in systems:
@@ -865,6 +874,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="torch.set_num_threads for the whole run (default: torch's own choice, not set)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run our decode steps eagerly instead of replaying CUDA graphs",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="reduced smoke-test workload")

@@ -231,3 +231,22 @@ def test_the_copy_bandwidth_counts_bytes_read_and_written(eb, monkeypatch):
     monkeypatch.setattr(eb.time, "perf_counter", lambda: next(clock))
     # 5 copies of 1000 bytes in 2 s: 10 kB read and written = 5e-6 GB/s
     assert eb.copy_bandwidth(eb.torch.device("cpu"), 1000, 5) == pytest.approx(5e-6)
+
+
+def test_enforce_eager_reaches_our_engine_and_the_report_names_the_graphs(eb, monkeypatch, capsys):
+    made = {}
+    monkeypatch.setattr(eb, "LLM", lambda **kwargs: made.update(kwargs))
+    for argv, eager in (([], False), (["--enforce-eager"], True)):
+        eb.build_ours(eb.parse_args(argv), "bfloat16")
+        assert made["enforce_eager"] is eager
+    result = {
+        "device": "cuda:0", "systems": {"ours": {"tokens_per_s": 9.0, "seconds": 1.0}},
+        "ratios_ours_over": {}, "agreement_with_ours": {}, "peers_skipped": {},
+        "roofline": {"dtype": "bfloat16", "gemm_gflops": None, "gemm_rates": {}},
+        "batch1_decode_latency": eb.batch1_latency(1, [0.002], []),
+        "ours_decode_graphs": [1, 2, 4, 8],
+    }  # fmt: skip
+    eb.print_report("bfloat16", result)
+    assert "== bfloat16 on cuda:0, ours' decode steps as CUDA graphs (4 batch sizes) ==" in (
+        capsys.readouterr().out
+    )
