@@ -110,7 +110,8 @@ def _exactly_the_callers_own(kernel, delays, counter):
     """Runs `kernel`'s cases with helpers (delays as use_spare_cpus takes them) until
     stats()[counter] moved, at most 20 times, each time checking every result bit for bit
     against the caller's own; how much it moved. (A helper at idle priority may get no time at
-    all while another process keeps its core busy: the rounds give it more chances. Here it
+    all while another process keeps its core busy: the rounds give it more chances, and where it
+    joined no job in any of them the test skips, as _jobs_found does. Here it
     sleeps between jobs instead of spinning: the scheduler gives a woken thread a turn on a
     busy core sooner than one that never slept.)"""
     cases = list(CASES[kernel]())
@@ -123,7 +124,10 @@ def _exactly_the_callers_own(kernel, delays, counter):
             assert torch.equal(got, expect)  # the same sums, in the same order, bit for bit
         if stats()[counter] > before[counter]:
             break
-    return stats()[counter] - before[counter]
+    after = stats()
+    if after[counter] == before[counter] and after[3:] == before[3:]:
+        pytest.skip(f"core {CORE} was too busy for the helper to join any job")
+    return after[counter] - before[counter]
 
 
 @pytest.mark.parametrize("kernel", CASES)
