@@ -16,13 +16,11 @@ from cache.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
-try:  # torch's CUDA builds bring Triton; the kernel's body refers to `tl` as a global
-    import triton.language as tl
-except ImportError:  # pragma: no cover - then available() is False and nothing calls it
-    tl = None
+tl = None  # triton.language, imported by _kernel(): the kernel's body refers to it as a global
 
 BLOCK_N = 32  # keys per iteration
 
@@ -69,17 +67,20 @@ def _paged_decode(
 
 @functools.cache
 def _kernel():
-    """The kernel, compiled on first use (importing this module needs no GPU). Under
-    TRITON_INTERPRET=1, set before Triton is first imported, triton.jit gives Triton's
-    interpreter instead, which runs it on CPU tensors: the tests' way in."""
+    """The kernel, compiled on first use (importing this module needs neither a GPU nor
+    Triton). Under TRITON_INTERPRET=1, set before Triton is first imported, triton.jit gives
+    Triton's interpreter instead, which runs it on CPU tensors: the tests' way in."""
+    global tl
     import triton
+    import triton.language as tl
 
     return triton.jit(_paged_decode)
 
 
 def available() -> bool:
-    """Whether Triton is importable (it comes with torch's CUDA builds)."""
-    return tl is not None
+    """Whether Triton is installed (it comes with torch's CUDA builds); not imported here,
+    which takes a few hundred milliseconds that a CPU engine does not need to spend."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def paged_decode_attention(
