@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from serve_app.config.model import ModelConfig
 from serve_app.engine import config as engine_config
-from serve_app.engine.config import DEVICES, DTYPES, EngineConfig
-from serve_app.engine.cpus import format_cpus, parse_cpus
+from serve_app.engine.config import EngineConfig
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 _ENGINE = EngineConfig()  # the engine's defaults are the config's defaults
@@ -26,123 +26,6 @@ def cross_check(problems: list[str]) -> None:
     """Rules across keys fail as one error whose lines name both keys by their paths."""
     if problems:
         raise PydanticCustomError("cross_check", "{detail}", {"detail": "\n".join(problems)})
-
-
-def served_name(value: str) -> str:
-    """A name clients send (a model, an embedding endpoint): URL-safe, as in the routes."""
-    allowed = all(c.isascii() and (c.isalnum() or c in "-._") for c in value)
-    if not allowed or value[0] in "-._" or value[-1] in "-._":
-        raise ValueError(
-            f"{value!r} must be letters, digits, '-', '.', '_' and must not "
-            "start or end with '-', '.', '_'"
-        )
-    return value
-
-
-class ModelConfig(BaseModel):
-    model_config = _FROZEN
-
-    modelName: str = Field(
-        _ENGINE.model_name,
-        min_length=1,
-        max_length=256,
-        description=(
-            "Name clients send as `model`: letters, digits, '-', '.', '_', not starting or ending "
-            "with '-', '.', '_'; at most 256 characters."
-        ),
-    )
-    modelWeightPath: str = Field(
-        _ENGINE.model,
-        min_length=1,
-        description=(
-            "Folder of Hugging Face safetensors weights, or a built-in model: "
-            "'smollm2-135m-instruct' (SmolLM2-135M-Instruct, converted on first use), 'demo' / "
-            "'demo-tiny' / 'demo-1b' (random weights for tests and benchmarks; 'demo-1b' is "
-            "1B-class, for accelerators)."
-        ),
-    )
-    worldSize: int = Field(1, ge=1, description="Devices one model instance spans.")
-    cpuMemSize: int = Field(5, ge=0, description="Host memory for swapped-out KV cache, in GB.")
-    npuMemSize: float = Field(
-        _ENGINE.kv_cache_mem_gb,
-        description=(
-            "KV cache per replica, in GB; -1 = auto (80% of free device memory, 2 GB on CPU)."
-        ),
-    )
-    dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
-        _ENGINE.dtype,
-        description="(extension) Weight and activation dtype; auto = the checkpoint's torch_dtype.",
-    )
-    device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
-        _ENGINE.device,
-        description=("(extension) Device to run on; auto = npu if present, else cuda, else cpu."),
-    )
-    trustRemoteCode: bool = Field(
-        False,
-        description=(
-            "(extension) Allow model code shipped with the weights "
-            "(transformers trust_remote_code)."
-        ),
-    )
-
-    engineProcess: bool = Field(
-        _ENGINE.engine_process,
-        description=(
-            "(extension) Run the engine's step loop in a process of its own, so that it never "
-            "waits on the replica's per-token work (detokenizing, streaming) for Python's "
-            "interpreter lock."
-        ),
-    )
-    engineCpus: str = Field(
-        "",
-        description=(
-            "(extension) Cores the engine process is bound to, e.g. '1', '0-3' or '0,2,4-5' "
-            "(needs engineProcess: true); its torch threads are these cores, and the ingress "
-            "and tokenizer pool keep to the other cores of the node. Empty = no binding."
-        ),
-    )
-    engineSpareCpus: str = Field(
-        "",
-        description=(
-            "(extension) Cores whose idle time the engine process borrows for its CPU GEMMs, "
-            "decode attention and greedy argmax, e.g. "
-            "'0' (needs engineProcess: true; not engineCpus): a helper thread per core at the "
-            "lowest priority (Linux SCHED_IDLE), which the step never waits for. Empty = none."
-        ),
-    )
-
-    enforceEager: bool = Field(
-        _ENGINE.enforce_eager,
-        description=(
-            "(extension) On CUDA, run every decode step eagerly instead of replaying the decode "
-            "steps captured as CUDA graphs at start (one graph per padded batch size)."
-        ),
-    )
-
-    @field_validator("engineCpus", "engineSpareCpus")
-    @classmethod
-    def _cpus(cls, value: str) -> str:
-        return format_cpus(parse_cpus(value))  # ValueError names the bad part
-
-    @model_validator(mode="after")
-    def _cpus_need_process(self) -> ModelConfig:
-        cpus = parse_cpus(self.engineCpus), parse_cpus(self.engineSpareCpus)
-        found = engine_config.cpus_problems(self.engineProcess, *cpus)
-        if found:
-            raise ValueError(found[0])
-        return self
-
-    @field_validator("modelName")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return served_name(value)
-
-    @field_validator("npuMemSize")
-    @classmethod
-    def _mem(cls, value: float) -> float:
-        if value != -1 and value <= 0:
-            raise ValueError(f"must be -1 (auto) or > 0 GB, got {value:g}")
-        return value
 
 
 _ModelConfig = ModelConfig  # the field below is named like the class; pydantic needs an alias

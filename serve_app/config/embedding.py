@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serve_app.config.backend import served_name
+from serve_app.config.model import served_name
 
 DEFAULT_MODEL = "all-minilm-l6-v2"  # models/minilm.py; the name only, so nothing is imported
 
