@@ -19,12 +19,12 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     num_decodes: int  # the first num_decodes tokens belong to one-token sequences
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks]
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] True where a key may be seen
-    prefill_index: torch.Tensor | None  # [Bp, Qmax] packed-token index (after the decodes)
-    prefill_valid: torch.Tensor | None  # [Bp, Qmax] real (non-padding) query positions
-    prefill_block_tables: torch.Tensor | None  # [Bp, max_blocks]; None: no cached context
-    prefill_mask: torch.Tensor | None  # [Bp, 1, Qmax, L]
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] True where a key may be seen
+    prefill_index: torch.Tensor | None = None  # [Bp, Qmax] packed-token index (after decodes)
+    prefill_valid: torch.Tensor | None = None  # [Bp, Qmax] real (non-padding) query positions
+    prefill_block_tables: torch.Tensor | None = None  # [Bp, max_blocks]; None: no cached context
+    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qmax, L]
     # cache slot of every key position each sequence may read (padding reads a valid slot)
     decode_slots: torch.Tensor | None = None  # [Bd, L]
     prefill_slots: torch.Tensor | None = None  # [Bp, L]; None: no cached context
@@ -89,12 +89,6 @@ def build_metadata(
         kv_caches=kv_caches,
         slot_mapping=tensor(slots),
         num_decodes=nd,
-        decode_block_tables=None,
-        decode_mask=None,
-        prefill_index=None,
-        prefill_valid=None,
-        prefill_block_tables=None,
-        prefill_mask=None,
         decode_kernel=decode_kernel,
     )
     if nd:

@@ -110,11 +110,6 @@ class DecodeGraphs:
             slot_mapping=slots,
             num_decodes=size,
             decode_block_tables=tables,
-            decode_mask=None,
-            prefill_index=None,
-            prefill_valid=None,
-            prefill_block_tables=None,
-            prefill_mask=None,
             decode_context_lens=lens,
             decode_kernel=self.decode_kernel,
         )
