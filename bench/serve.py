@@ -789,6 +789,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-requests must be >= 1")
     if args.timeout <= 0 or args.max_run_s <= 0:
         parser.error("--timeout and --max-run-s must be > 0")
+    if args.replot is not None and args.no_plot:
+        parser.error("--replot draws plots: drop --no-plot")
     if args.plot is None and not args.no_plot:
         args.plot = (args.replot or args.out).with_suffix("")
     elif args.no_plot:
@@ -810,7 +812,7 @@ def replot(path: Path, prefix: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot is not None:
-        for path in replot(args.replot, args.plot or args.replot.with_suffix("")):
+        for path in replot(args.replot, args.plot):
             print(f"wrote {path}")
         return 0
     bench(args)

@@ -337,3 +337,5 @@ def test_replot_draws_a_saved_result_again_without_sending(sb, tmp_path, monkeyp
     assert drawn == [(results, tmp_path / "sweep", [2.0], [2.0])]
     assert sb.main(["--replot", str(saved), "--plot", str(tmp_path / "other")]) == 0
     assert drawn[-1][1] == tmp_path / "other"
+    with pytest.raises(SystemExit):  # nothing to do: said, not silently ignored
+        sb.main(["--replot", str(saved), "--no-plot"])
