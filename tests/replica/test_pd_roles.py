@@ -148,7 +148,10 @@ def test_pd_output_equals_colocated(colocated, prefill, decode, prompt, sampling
     assert head.handoff_ms is not None and head.kv_bytes == transfer.nbytes
     assert not head.kv_recomputed
     assert all(c.handoff_ms is None for c in chunks[1:])
-    assert len(chunks) == (11 if stream else 1)  # the first token is never repeated
+    assert len(joined(chunks, "token_ids")) == 11  # the first token is never repeated
+    # a chunk per token, or fewer where tokens coalesced while this consumer lagged (a busy
+    # machine); one when not streaming
+    assert 1 < len(chunks) <= 11 if stream else len(chunks) == 1
     assert chunks[-1].stats["num_kv_imports"] >= 1
 
 
