@@ -84,18 +84,18 @@ def main() -> None:
             name=app.get("name", "serve_app"),
             route_prefix=app.get("route_prefix", "/"),
         )
-    url = f"http://{http['host']}:{http['port']}"
-    model = configs[0].BackendConfig.ModelDeployConfig.ModelConfig[0].modelName
-    print(
-        f"\nserve_app ready at {url}  (docs: {url}/docs, metrics: {url}/metrics)\n"
-        f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], '
-        f'"max_tokens": 16}}\'\n'
-        "Ctrl-C stops it.",
-        flush=True,
-    )
-    _stop_on_signals()
     try:
+        _stop_on_signals()  # before it says it is ready: a signal from then on stops it
+        url = f"http://{http['host']}:{http['port']}"
+        model = configs[0].BackendConfig.ModelDeployConfig.ModelConfig[0].modelName
+        print(
+            f"\nserve_app ready at {url}  (docs: {url}/docs, metrics: {url}/metrics)\n"
+            f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], '
+            f'"max_tokens": 16}}\'\n'
+            "Ctrl-C stops it.",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -177,6 +177,11 @@ def _direct_ingress(port: int, num_ingress: int) -> None:
     os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port))
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(port + num_ingress))
+    # Serve keeps a stopping ingress replica listening for at least this long, so that a load
+    # balancer in front of it can take it out of rotation (default 30 s). Here no balancer sits
+    # in front of the ports, and with 30 s every Ctrl-C waited 30 s; ongoing requests are still
+    # waited for, up to the deployment's graceful_shutdown_timeout_s.
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monke
         "RAY_SERVE_ENABLE_DIRECT_INGRESS",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
     ):
         monkeypatch.setenv(name, "")  # so that teardown restores what was there, if anything
         monkeypatch.delenv(name)
@@ -24,6 +25,8 @@ def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monke
     assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8125"  # exclusive
+    # no load balancer to wait for: a stop drains ongoing requests, not Serve's 30 s
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "9000")
     main._direct_ingress(8123, 1)  # what the user exported wins
     assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "9000"
