@@ -189,14 +189,25 @@ def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list
     return ours_decode_steps(llm, [[prompt] for prompt in prompts], output_len)
 
 
-def cb_config(args) -> ContinuousBatchingConfig:
+def _page_field(config_type=ContinuousBatchingConfig) -> str:
+    """The CB config's name for its KV page size: `page_size`, `block_size` before
+    transformers 5.2x (the GPU machines' own transformers is 5.17)."""
+    names = {f.name for f in dataclasses.fields(config_type)}
+    return "page_size" if "page_size" in names else "block_size"
+
+
+def cb_config(args, config_type=ContinuousBatchingConfig) -> ContinuousBatchingConfig:
     per_seq = -(-(args.prompt_len + args.output_len) // args.cb_page_size) + 1
-    return ContinuousBatchingConfig(
-        page_size=args.cb_page_size,
+    return config_type(
+        **{_page_field(config_type): args.cb_page_size},
         num_blocks=args.requests * per_seq,  # unset, CPU sizes it from host memory
         max_batch_tokens=args.prefill_tokens,
         max_requests_per_batch=args.requests,
     )
+
+
+def cb_page_size(config) -> int:
+    return getattr(config, _page_field(type(config)))
 
 
 def run_hf_cb(model, prompts, output_len: int, config: ContinuousBatchingConfig):
@@ -375,7 +386,7 @@ def measure_hf_cb(bench: DtypeBench, model) -> ContinuousBatchingConfig:
     )
     model.destroy_cached_continuous_batching_manager()
     note = (
-        f"attn={model.config._attn_implementation}, page_size={config.page_size}, "
+        f"attn={model.config._attn_implementation}, page_size={cb_page_size(config)}, "
         f"num_blocks={config.num_blocks}, max_batch_tokens={config.max_batch_tokens}, "
         f"max_requests_per_batch={config.max_requests_per_batch}"
     )
@@ -710,7 +721,7 @@ def bench_dtype(args, dtype: str, prompt_sets, warm_prompts, model_path: Path) -
     else:
         attn, config, hf_gaps = measure_hf(bench, model_path)
         cb_config = {
-            "page_size": config.page_size,
+            "page_size": cb_page_size(config),
             "num_blocks": config.num_blocks,
             "max_batch_tokens": config.max_batch_tokens,
             "max_requests_per_batch": config.max_requests_per_batch,

@@ -250,3 +250,21 @@ def test_enforce_eager_reaches_our_engine_and_the_report_names_the_graphs(eb, mo
     assert "== bfloat16 on cuda:0, ours' decode steps as CUDA graphs (4 batch sizes) ==" in (
         capsys.readouterr().out
     )
+
+
+def test_transformers_cb_config_speaks_the_older_page_field_too(eb):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class OlderConfig:  # transformers 5.17 named the page size block_size
+        block_size: int = 256
+        num_blocks: int | None = None
+        max_batch_tokens: int | None = None
+        max_requests_per_batch: int | None = None
+
+    args = eb.parse_args(["--requests", "4", "--prompt-len", "100", "--output-len", "28"])
+    older = eb.cb_config(args, OlderConfig)
+    assert older.block_size == args.cb_page_size == 128 and eb.cb_page_size(older) == 128
+    assert older.num_blocks == 4 * 2 and older.max_requests_per_batch == 4
+    current = eb.cb_config(args)
+    assert current.page_size == 128 and eb.cb_page_size(current) == 128
