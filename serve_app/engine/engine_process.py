@@ -53,6 +53,7 @@ class EngineInfo:
     model_path: str
     cpus: tuple[int, ...] = ()  # bound to these cores; () = not bound
     spare_cpus: tuple[int, ...] = ()  # helpers of its CPU GEMMs run on these (idle priority)
+    decode_graphs: int = 0  # CUDA: batch sizes whose decode steps replay as graphs
 
     @classmethod
     def of(cls, engine, cpus: tuple[int, ...] = (), spare_cpus: tuple[int, ...] = ()) -> EngineInfo:
@@ -68,13 +69,17 @@ class EngineInfo:
             str(runner.model_path),
             cpus,
             spare_cpus,
+            decode_graphs=len(runner.decode_graphs.sizes) if runner.decode_graphs else 0,
         )
 
     def placement(self) -> str:
-        """' on cores 1, kernel helpers on the idle time of cores 0' ('' when not bound)."""
+        """' on cores 1, kernel helpers on the idle time of cores 0' ('' when not bound), and
+        ', decode steps as CUDA graphs (11 batch sizes)' where they are."""
         text = f" on cores {format_cpus(self.cpus)}" if self.cpus else ""
         if self.spare_cpus:
             text += f", kernel helpers on the idle time of cores {format_cpus(self.spare_cpus)}"
+        if self.decode_graphs:
+            text += f", decode steps as CUDA graphs ({self.decode_graphs} batch sizes)"
         return text
 
 

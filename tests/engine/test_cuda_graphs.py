@@ -120,3 +120,14 @@ def test_enforce_eager_captures_nothing(monkeypatch):
         assert runner._use_decode_graphs() is False
         runner.config = config.replace(enforce_eager=False)
         assert runner._use_decode_graphs() is (device == "cuda")
+
+
+def test_the_engine_info_says_the_decode_steps_are_graphs(graphed):
+    from serve_app.engine.engine_process import EngineInfo
+
+    info = EngineInfo.of(graphed.engine)
+    assert info.decode_graphs == 5
+    assert info.placement() == ", decode steps as CUDA graphs (5 batch sizes)"
+    graphed.engine.runner.decode_graphs = None  # as without graphs
+    assert EngineInfo.of(graphed.engine).decode_graphs == 0
+    assert EngineInfo.of(graphed.engine).placement() == ""
