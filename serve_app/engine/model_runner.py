@@ -2,7 +2,8 @@
 
 Loads the HF model, owns the paged KV cache tensors, packs a scheduled batch into one forward
 pass (all new tokens concatenated, explicit positions) and returns logits only for the positions
-that sample.
+that sample. On CUDA a step of decodes only replays a CUDA graph captured at start instead
+(cuda_graphs), with a scratch KV block past the pool's for its padding rows.
 """
 
 from __future__ import annotations
