@@ -10,6 +10,7 @@ description (README, "Configuration").
 
     server.py       ServerConfig
     backend.py      BackendConfig: ModelDeployConfig (ModelConfig[]), ScheduleConfig
+    model.py        ModelConfig: one model served
     embedding.py    EmbeddingConfig[]: embedding endpoints (extension)
     deployments.py  Deployments: Ray Serve options per deployment (extension)
     app.py          AppConfig, and what deployments derive from it

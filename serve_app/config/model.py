@@ -59,7 +59,10 @@ class ModelConfig(BaseModel):
     )
     dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
         _ENGINE.dtype,
-        description="(extension) Weight and activation dtype; auto = the checkpoint's torch_dtype.",
+        description=(
+            "(extension) Weight and activation dtype; auto = bfloat16 on accelerators and on "
+            "CPUs with bfloat16 arithmetic (AVX512-BF16, AMX), else float32."
+        ),
     )
     device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
         _ENGINE.device,

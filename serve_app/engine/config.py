@@ -20,7 +20,7 @@ from typing import Any
 
 from serve_app.engine.cpus import format_cpus
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: the checkpoint's torch_dtype
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: device.pick_dtype
 DEVICES = ("auto", "npu", "cuda", "cpu")  # auto: npu if present, else cuda, else cpu
 
 # Rules between settings, by MindIE name: (key, relation, other key).
