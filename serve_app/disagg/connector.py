@@ -10,7 +10,10 @@ Built in:
   object store with `ray.put`; the handle's ref is the ObjectRef, so decode may run on another
   node and Ray moves the bytes. The prefill replica owns the object: if it dies before decode
   fetches, the fetch fails (OwnerDiedError / ObjectLostError) and the decode replica applies its
-  kv_loss_policy (recompute the prompt, or fail).
+  kv_loss_policy (recompute the prompt, or fail). Ray's reference counting should keep the
+  object alive while the handle travels through the ingress, yet a KV was seen freed before
+  decode fetched it (ReferenceCountingAssertionError, once, on a loaded machine); so the owner
+  also keeps its ref for HOLD_S after staging, whoever else holds one.
 - `LocalConnector` ("local"): the ref is the payload itself; both sides in one process (tests,
   single-process tools).
 
@@ -26,6 +29,7 @@ pull them device to device, then signal the prefill side to release its blocks. 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Protocol
 
@@ -55,13 +59,19 @@ class LocalConnector:
         return transfer.ref
 
 
+HOLD_S = 10.0  # the owner keeps a staged KV this long: MindIE's kv_trans_timeout default
+
+
 class ObjectStoreConnector:
     """Through the Ray object store: works across nodes; needs a running Ray (a replica)."""
 
     name = "object_store"
 
-    def __init__(self, timeout_s: float | None = None) -> None:
+    def __init__(self, timeout_s: float | None = None, hold_s: float = HOLD_S) -> None:
         self.timeout_s = timeout_s  # MindIE's kv_trans_timeout; None: wait as long as it takes
+        self.hold_s = hold_s
+        self._held: dict[int, object] = {}  # staged refs, each dropped hold_s after its send
+        self._ids = itertools.count()
 
     async def send(self, payload: KVPayload) -> KVTransfer:
         import ray
@@ -69,6 +79,9 @@ class ObjectStoreConnector:
         start = time.monotonic()
         # ray.put serializes and copies the tensors: off the event loop, which streams others.
         ref = await asyncio.to_thread(ray.put, payload)
+        key = next(self._ids)
+        self._held[key] = ref
+        asyncio.get_running_loop().call_later(self.hold_s, self._held.pop, key, None)
         staged_ms = payload.read_ms + (time.monotonic() - start) * 1e3
         return KVTransfer(self.name, ref, payload.num_tokens, payload.nbytes, staged_ms)
 

@@ -6,7 +6,12 @@ import asyncio
 import pytest
 import torch
 
-from serve_app.disagg.connector import LocalConnector, ObjectStoreConnector, connector_for
+from serve_app.disagg.connector import (
+    HOLD_S,
+    LocalConnector,
+    ObjectStoreConnector,
+    connector_for,
+)
 from serve_app.engine.kv_transfer import KVPayload
 from serve_app.messages import KVTransfer
 
@@ -73,3 +78,22 @@ def test_object_store_connector_round_trip(local_ray):
     assert got is not sent and isinstance(got, KVPayload) and got.num_tokens == 5
     for a, b in zip(sent.keys + sent.values, got.keys + got.values, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_owner_keeps_a_staged_kv_for_its_hold(local_ray):
+    # the handle as plain pickle (bytes Ray's reference counting does not follow), every other
+    # ref dropped: within the hold the object is still there; after it, it is freed
+    import gc
+    import pickle
+
+    async def staged_then_fetched(hold_s):
+        connector = ObjectStoreConnector(timeout_s=3, hold_s=hold_s)
+        blob = pickle.dumps(await connector.send(payload()))
+        gc.collect()
+        await asyncio.sleep(0.5)  # past a short hold, well within the default one
+        return await connector.fetch(pickle.loads(blob))
+
+    assert isinstance(asyncio.run(staged_then_fetched(HOLD_S)), KVPayload)
+    freed = (TimeoutError, local_ray.exceptions.RayError)  # the wait times out, or Ray says so
+    with pytest.raises(freed):
+        asyncio.run(staged_then_fetched(0.01))
