@@ -87,14 +87,13 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+    scale = scaling if scaling is not None else head_dim**-0.5  # the kernels' (sdpa's default)
     if md.row_lens is not None:  # every token a query row of the kernel
-        scale = scaling if scaling is not None else head_dim**-0.5
         # q as the projection left it: the kernel reads strided rows
         out = md.decode_kernel(q, k_cache, v_cache, md.row_tables, md.row_lens, scale)
         return out.unsqueeze(0), None
     nd = md.num_decodes
     if nd and md.decode_kernel is not None:
-        scale = scaling if scaling is not None else head_dim**-0.5
         tables, lens = md.decode_block_tables, md.decode_context_lens
         decoded = md.decode_kernel(q[:nd], k_cache, v_cache, tables, lens, scale)
     elif nd:

@@ -143,20 +143,20 @@ class DecodeGraphs:
         return all(len(s.block_table) <= self.width for s in seqs)
 
     def _host_inputs(self, seqs: Sequence, size: int) -> torch.Tensor:
-        size_ = self.block_size
+        block = self.block_size
         ids, positions, slots, lens, tables = [], [], [], [], []
         for seq in seqs:
             pos, table = seq.num_computed_tokens, seq.block_table
             ids.append(seq.token_ids[pos])
             positions.append(pos)
-            slots.append(table[pos // size_] * size_ + pos % size_)
+            slots.append(table[pos // block] * block + pos % block)
             lens.append(pos + 1)
             tables.extend(table)
             tables.extend([0] * (self.width - len(table)))
         pad = size - len(seqs)  # token 0 at position 0 into the scratch block
         ids += [0] * pad
         positions += [0] * pad
-        slots += [self.scratch_block * size_] * pad
+        slots += [self.scratch_block * block] * pad
         lens += [1] * pad
         tables += [self.scratch_block] * (pad * self.width)
         return torch.tensor(ids + positions + slots + lens + tables, dtype=torch.long)
