@@ -29,7 +29,6 @@ pull them device to device, then signal the prefill side to release its blocks. 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from typing import Protocol
 
@@ -70,8 +69,6 @@ class ObjectStoreConnector:
     def __init__(self, timeout_s: float | None = None, hold_s: float = HOLD_S) -> None:
         self.timeout_s = timeout_s  # MindIE's kv_trans_timeout; None: wait as long as it takes
         self.hold_s = hold_s
-        self._held: dict[int, object] = {}  # staged refs, each dropped hold_s after its send
-        self._ids = itertools.count()
 
     async def send(self, payload: KVPayload) -> KVTransfer:
         import ray
@@ -79,9 +76,7 @@ class ObjectStoreConnector:
         start = time.monotonic()
         # ray.put serializes and copies the tensors: off the event loop, which streams others.
         ref = await asyncio.to_thread(ray.put, payload)
-        key = next(self._ids)
-        self._held[key] = ref
-        asyncio.get_running_loop().call_later(self.hold_s, self._held.pop, key, None)
+        asyncio.get_running_loop().call_later(self.hold_s, _let_go, ref)
         staged_ms = payload.read_ms + (time.monotonic() - start) * 1e3
         return KVTransfer(self.name, ref, payload.num_tokens, payload.nbytes, staged_ms)
 
@@ -90,6 +85,10 @@ class ObjectStoreConnector:
         if not isinstance(payload, KVPayload):
             raise TypeError(f"the KV object holds {type(payload)}, not a KVPayload")
         return payload
+
+
+def _let_go(ref) -> None:
+    """A hold's end: until this timer ran, its pending argument kept `ref` alive."""
 
 
 async def _await(ref):
