@@ -27,10 +27,13 @@ class TokenLogprob:
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
-    token_ids: list[int]  # all output tokens so far
+    # All output tokens so far; in a streamed output before the last, only the new ones (the
+    # same as new_token_ids), and logprobs likewise: a stream needs no more, and the final
+    # output has them all.
+    token_ids: list[int]
     new_token_ids: list[int]  # the tokens this output adds (stream delta)
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprob] | None = None  # all output tokens so far, when asked for
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when asked for
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id (or stop string) that ended it
     text: str = ""

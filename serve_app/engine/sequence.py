@@ -139,22 +139,32 @@ class Request:
         return (self.priority, self.arrival_time)
 
     def to_output(
-        self, seqs: list[Sequence], metrics: StepMetrics, new_only: bool
+        self, seqs: list[Sequence], metrics: StepMetrics, new_only: bool, partial: bool = False
     ) -> RequestOutput:
-        """What the API layers see; new_only reports only tokens not reported before."""
+        """What the API layers see; new_only reports only tokens not reported before.
+
+        partial: a streamed output before the last, whose token_ids and logprobs hold only its
+        new tokens' (what a stream consumes); copying every token so far into each step's
+        output made the engine process's per-step message grow with every token.
+        """
         completions = []
         want_logprobs = self.params.logprobs is not None
         for seq in sorted(seqs, key=lambda s: s.index):
-            tokens = seq.output_token_ids
             emitted = seq.num_emitted if new_only else 0
-            seq.num_emitted = len(tokens)
+            start = seq.num_prompt_tokens + emitted
+            new = seq.token_ids[start:]
+            tokens = new if partial else seq.output_token_ids
+            seq.num_emitted = seq.num_output_tokens
+            logprobs = None
+            if want_logprobs:
+                logprobs = seq.logprobs[emitted:] if partial else list(seq.logprobs)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
                     token_ids=tokens,
-                    new_token_ids=tokens[emitted:],
+                    new_token_ids=new,
                     cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.logprobs) if want_logprobs else None,
+                    logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

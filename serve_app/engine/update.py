@@ -192,7 +192,8 @@ class Updater:
         if self._done(request):
             return self.finish(request, metrics)
         if streams(request):
-            return request.to_output(request.seqs + request.finished_seqs, metrics, new_only=True)
+            seqs = request.seqs + request.finished_seqs
+            return request.to_output(seqs, metrics, new_only=True, partial=True)
         return None
 
     def _done(self, request: Request) -> bool:
