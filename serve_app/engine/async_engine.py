@@ -8,7 +8,9 @@ thread here. A step's outputs go back to each event loop in one `call_soon_threa
 wake-up per step, not one per request), which puts each into its request's queue.
 `generate_batches` hands a consumer everything its request has queued at once: a consumer slower
 than the engine gets the tokens of several steps together, while one that keeps up gets every
-step's output as soon as it exists.
+step's output as soon as it exists. `feeding` hands each output to a plain function instead, in
+that same hand-over: no queue and no coroutine to wake per output, for a consumer whose work
+per output is synchronous.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,8 +44,8 @@ class AsyncEngine:
         """config.engine_process: the step loop in a child process; otherwise (or when an
         `engine` is given) on a thread of this process, and `self.engine` is that engine."""
         config = engine.config if engine is not None else (config or EngineConfig())
-        # request id -> (its event loop, its outputs' queue, its prompt ids)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
+        # request id -> (its event loop, what takes its outputs there, its prompt ids)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Callable, list[int]]] = {}
         self.engine: LLMEngine | None = None  # the in-process engine (thread mode)
         self._process: EngineProcess | None = None
         if engine is None and config.engine_process:
@@ -83,15 +85,8 @@ class AsyncEngine:
     async def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         """Like `generate`, but each item is every output queued for the request when the
         consumer asks (at least one, in step order): never waits for more to arrive."""
-        if request.request_id in self._streams:  # refused here: the engine's refusal would
-            # go to the stream registered under that id, the other request's
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        loop = asyncio.get_running_loop()
-        if request.arrival_time is None:
-            request.arrival_time = time.monotonic()
         outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (loop, outputs, request.prompt_token_ids)
-        self._send(("add", request))
+        self._add(request, outputs.put_nowait)
         finished = False
         try:
             while not finished:
@@ -114,6 +109,39 @@ class AsyncEngine:
             self._streams.pop(request.request_id, None)
             if not finished:
                 self.abort(request.request_id)
+
+    @contextmanager
+    def feeding(
+        self, request: EngineRequest, take: Callable[[RequestOutput | Exception], None]
+    ) -> Iterator[None]:
+        """Runs `request` while the block runs: each output (or the exception that ends it, an
+        engine refusal or failure) goes to `take` on this event loop, in step order, as the step
+        hands it over. `take` must not raise, nor block. Leaving the block before the engine
+        finished the request aborts it (and frees its blocks)."""
+        over = False
+
+        def take_and_note(item: RequestOutput | Exception) -> None:
+            nonlocal over
+            over = over or isinstance(item, Exception) or item.finished
+            take(item)
+
+        self._add(request, take_and_note)
+        try:
+            yield
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not over:
+                self.abort(request.request_id)
+
+    def _add(self, request: EngineRequest, take: Callable) -> None:
+        if request.request_id in self._streams:  # refused here: the engine's refusal would
+            # go to the stream registered under that id, the other request's
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if request.arrival_time is None:
+            request.arrival_time = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._streams[request.request_id] = (loop, take, request.prompt_token_ids)
+        self._send(("add", request))
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -153,16 +181,17 @@ class AsyncEngine:
         self._wake.set()
 
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
-        """Each (request id, output or exception) to its request's queue: one hand-over per
-        event loop for the lot. Outputs from the engine process come without the prompt ids."""
+        """Each (request id, output or exception) to what takes its request's outputs: one
+        hand-over per event loop for the lot. Outputs from the engine process come without the
+        prompt ids."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item in items:
             target = self._streams.get(request_id)
             if target is not None:
-                loop, outputs, prompt = target
+                loop, take, prompt = target
                 if isinstance(item, RequestOutput) and item.prompt_token_ids is None:
                     item.prompt_token_ids = prompt
-                by_loop.setdefault(loop, []).append((outputs, item))
+                by_loop.setdefault(loop, []).append((take, item))
         for loop, puts in by_loop.items():
             loop.call_soon_threadsafe(_put_all, puts)
 
@@ -193,6 +222,6 @@ class AsyncEngine:
             self._fail_all("the engine loop is not running")
 
 
-def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
-    for outputs, item in puts:
-        outputs.put_nowait(item)
+def _put_all(puts: list[tuple[Callable, object]]) -> None:
+    for take, item in puts:
+        take(item)

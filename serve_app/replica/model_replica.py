@@ -33,12 +33,12 @@ from serve_app.messages import (
     ReplicaRequest,
 )
 from serve_app.replica.output_processor import OutputProcessor
+from serve_app.replica.relay import Relay
 from serve_app.replica.token_outbox import TokenOutbox, ray_node_id
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
-_SOCKET_CLOSED = "the token socket to the ingress closed"
 
 
 class ModelReplica:
@@ -206,31 +206,33 @@ class ModelReplica:
         handoff: Handoff | None = None,
     ) -> AsyncIterator[ReplicaChunk]:
         final: ReplicaChunk | None = None
-        # The ingress's token socket, if on this node: the chunks go there (see TokenOutbox)
+        # The ingress's token socket, if on this node: the chunks go there (see TokenOutbox),
+        # each made and put on the link as the engine hands its output over (see Relay)
         link = await self.outbox.link(processor.req.reply_to)
         try:
-            # aclosing: leaving the loop early (all choices hit a stop string) must abort the
-            # engine request now, not whenever the engine's generator is garbage collected.
-            # Outputs the engine made while this stream was still sending earlier ones go out
-            # as one chunk: never waits for tokens, only stops a slow consumer falling behind.
-            async with aclosing(self.engine.generate_batches(request)) as batches:
-                async for outputs in batches:
-                    if handoff is not None:
-                        handoff.note_import(outputs)
-                    chunk = processor.process_all(outputs)
-                    if chunk is None:
-                        continue
-                    if handoff is not None:
-                        handoff.stamp(chunk)
-                    if link is not None and not link.alive:  # the ingress's side closed
-                        chunk = processor.error_chunk(ErrorKind.ENGINE, _SOCKET_CLOSED)
-                    if chunk.finished:
-                        final = chunk
-                        break
-                    if link is None:
+            if link is not None:
+                relay = Relay(processor, link, handoff)
+                with self.engine.feeding(request, relay.take):
+                    final = await relay.final
+            else:
+                # aclosing: leaving the loop early (all choices hit a stop string) must abort
+                # the engine request now, not whenever its generator is garbage collected.
+                # Outputs the engine made while this stream was still sending earlier ones go
+                # out as one chunk: never waits for tokens, only stops a slow consumer falling
+                # behind.
+                async with aclosing(self.engine.generate_batches(request)) as batches:
+                    async for outputs in batches:
+                        if handoff is not None:
+                            handoff.note_import(outputs)
+                        chunk = processor.process_all(outputs)
+                        if chunk is None:
+                            continue
+                        if handoff is not None:
+                            handoff.stamp(chunk)
+                        if chunk.finished:
+                            final = chunk
+                            break
                         yield chunk
-                    else:
-                        link.put(chunk)
         except Exception as exc:
             final = processor.failure_chunk(exc)
         if final is None:

@@ -105,6 +105,26 @@ def test_outputs_cross_without_the_prompt_and_get_it_back(process_engine, monkey
     assert len(crossed) >= 11 and all(ids is None for ids in crossed)
 
 
+def test_streamed_outputs_carry_only_their_new_tokens(process_engine):
+    """Each step's output before the last holds its new token's id and logprob only, so the
+    per-step message does not grow with the output; the final output holds them all."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    async def run():
+        request = EngineRequest("delta", list(range(200, 240)), params)
+        return [output async for output in process_engine.generate(request)]
+
+    outputs = asyncio.run(run())
+    *partial, final = [o.outputs[0] for o in outputs]
+    assert len(partial) == 11 and final.finished
+    for co in partial:
+        assert co.token_ids == co.new_token_ids and len(co.token_ids) == 1
+        assert len(co.logprobs) == 1 and co.logprobs[0].token_id == co.token_ids[0]
+    streamed = [co.new_token_ids[0] for co in partial] + final.new_token_ids
+    assert final.token_ids == streamed and len(final.logprobs) == 12
+    assert [lp.token_id for lp in final.logprobs] == streamed
+
+
 def test_a_refused_request_fails_alone(process_engine):
     async def run():
         bad = _tokens(process_engine, "bad", [10**9])  # outside the vocabulary
@@ -208,3 +228,42 @@ def test_a_failed_step_ends_the_thread_engine_its_requests_and_refuses_new_ones(
         assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
     finally:
         engine.shutdown()
+
+
+def test_feeding_hands_each_output_to_a_function_and_leaving_aborts(process_engine):
+    """AsyncEngine.feeding: the outputs in step order to a plain function (the same tokens as
+    generate), a refusal as the exception, and leaving the block early aborts the request."""
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        got, done = [], loop.create_future()
+
+        def take(item):
+            got.append(item)
+            if isinstance(item, Exception) or item.finished:
+                done.set_result(None)
+
+        with process_engine.feeding(EngineRequest("fed", PROMPTS[1], GREEDY), take):
+            await done
+        refused, over = [], loop.create_future()
+
+        def refuse(item):
+            refused.append(item)
+            over.set_result(None)
+
+        with process_engine.feeding(EngineRequest("oov", [10**9], GREEDY), refuse):
+            await over  # outside the vocabulary
+        first = loop.create_future()
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        with process_engine.feeding(
+            EngineRequest("left", PROMPTS[1], long), lambda x: first.done() or first.set_result(x)
+        ):
+            await first  # the consumer leaves after the first output
+        return got, refused, await _idle(process_engine)
+
+    got, refused, stats = asyncio.run(run())
+    expected = asyncio.run(_tokens(process_engine, "fed-again", PROMPTS[1]))
+    assert [t for o in got for t in o.outputs[0].new_token_ids] == expected
+    assert got[-1].finished and not any(o.finished for o in got[:-1])
+    assert len(refused) == 1 and isinstance(refused[0], RequestRejected)
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]

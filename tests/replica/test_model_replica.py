@@ -493,3 +493,40 @@ def test_a_token_socket_closed_mid_request_ends_it_and_frees_the_blocks(replica,
 
 async def collect_async(stream):
     return [chunk async for chunk in stream]
+
+
+def test_a_socket_stream_is_made_in_the_steps_hand_over_not_by_its_coroutine(
+    replica, prompt, reference, monkeypatch
+):
+    """Through the token socket the chunks are made as the engine hands each output over
+    (AsyncEngine.feeding): the request's coroutine does not iterate the engine's outputs."""
+
+    def no_batches(request):
+        raise AssertionError("a socket stream iterated generate_batches")
+
+    monkeypatch.setattr(replica.engine, "generate_batches", no_batches)
+    chunks, yielded, _ = through_token_socket(replica, request(prompt, greedy()))
+    assert yielded == [] and joined(chunks, attr="token_ids") == reference.token_ids
+    wait_idle(replica)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stop_string_ends_a_socket_stream_there_and_frees_the_blocks(
+    replica, prompt, reference, n
+):
+    """Every choice ended by stop strings while the engine still runs the request: the final
+    chunk goes through the socket, later outputs are dropped, the engine request is aborted."""
+    stop = next(t for t in reference.token_texts[6:] if len(t) >= 2)
+    cut = reference.text[: reference.text.find(stop)]
+    params = greedy(LONG, n=n) if n == 1 else SamplingParams(
+        n=2, temperature=0, max_tokens=LONG, ignore_eos=True
+    )  # fmt: skip
+    chunks, yielded, _ = through_token_socket(replica, request(prompt, params, stop=[stop]))
+    assert yielded == [] and chunks[-1].finished and chunks[-1].error is None
+    for index in range(n):
+        assert joined(chunks, index) == cut
+        assert (last_delta(chunks, index).finish_reason, last_delta(chunks, index).stop_reason) == (
+            "stop_string",
+            stop,
+        )
+    wait_idle(replica)

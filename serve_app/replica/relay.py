@@ -1,0 +1,56 @@
+"""A request's engine outputs straight onto its ingress's token socket, in the step's hand-over.
+
+Streaming through the socket (`token_outbox.py`), a request's coroutine used to wake for every
+engine step only to turn the step's output into a chunk and put it on the link: at 32 streams,
+32 coroutine wake-ups, queue hand-overs and async-generator resumptions per step on the model
+replica's event loop. A `Relay` does that work in the function the engine calls with each output
+(`AsyncEngine.feeding`), so the request's coroutine sleeps until the request is over: `final`
+resolves with the chunk that ends it (the engine finished it, every choice hit a stop string,
+an error, the link closed), which the caller sends itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from serve_app.disagg.handoff import Handoff
+from serve_app.engine.outputs import RequestOutput
+from serve_app.messages import ErrorKind, ReplicaChunk
+from serve_app.replica.output_processor import OutputProcessor
+from serve_app.replica.token_outbox import Link
+
+SOCKET_CLOSED = "the token socket to the ingress closed"
+
+
+class Relay:
+    def __init__(
+        self, processor: OutputProcessor, link: Link, handoff: Handoff | None = None
+    ) -> None:
+        self.processor = processor
+        self.link = link
+        self.handoff = handoff
+        self.final: asyncio.Future[ReplicaChunk] = asyncio.get_running_loop().create_future()
+
+    def take(self, item: RequestOutput | Exception) -> None:
+        """One engine output (or the failure that ends the request); never raises."""
+        if self.final.done():  # over already (a stop string): later outputs are dropped
+            return
+        processor = self.processor
+        try:
+            if isinstance(item, Exception):
+                raise item
+            if self.handoff is not None:
+                self.handoff.note_import([item])
+            chunk = processor.process(item)
+            if chunk is None:
+                return
+            if self.handoff is not None:
+                self.handoff.stamp(chunk)
+            if not self.link.alive:  # the ingress's side closed
+                chunk = processor.error_chunk(ErrorKind.ENGINE, SOCKET_CLOSED)
+        except Exception as exc:  # an engine refusal or failure, or a bug here
+            chunk = processor.failure_chunk(exc)
+        if chunk.finished:
+            self.final.set_result(chunk)
+        else:
+            self.link.put(chunk)
