@@ -4,7 +4,7 @@
 (a rejection becomes an `APIError`) and builds the `ReplicaRequest` with the server's defaults;
 `Pipeline.generate` iterates the model replica's chunks while watching three ways to end early:
 the request's own `timeout`, a stopInfer for its id, and the client going away (the task is
-cancelled), with one reader task for the whole stream (`interruptible.py`). Leaving early
+cancelled), without a task of their own (`interruptible.py`). Leaving early
 closes the replica stream, which aborts the request there and frees its KV blocks.
 `Pipeline.embed` sends texts to an embedding endpoint's replica. Metrics are observed here, once
 for every family.

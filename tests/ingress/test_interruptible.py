@@ -139,3 +139,39 @@ async def test_closing_the_consumer_mid_wait_cancels_the_read():
         await waiting
     await chunks.close()
     assert src.ended == "cancelled"
+
+
+@in_loop
+async def test_no_task_of_its_own_the_consumers_task_reads():
+    """One task switch per item, not two: the consumer's task awaits the stream itself."""
+    src = Source()
+    src.queue.put_nowait("a")
+    before = len(asyncio.all_tasks())
+    chunks = Interruptible(src.items())
+    assert await chunks.next() == "a"
+    assert len(asyncio.all_tasks()) == before
+    await chunks.close()
+
+
+@in_loop
+async def test_an_interrupt_does_not_swallow_a_cancellation_from_elsewhere():
+    """The client went away at the moment a stop came: the consumer still ends cancelled."""
+    src, chunks, waiting = await pending_wait()
+    waiting.cancel()
+    chunks.interrupt()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await chunks.close()
+    assert src.ended == "cancelled"
+
+
+@in_loop
+async def test_an_interrupt_as_the_item_arrives_still_interrupts():
+    """The item came in the same turn of the loop as the stop: the wait ends INTERRUPTED and
+    the consumer's task is not left with a cancellation pending."""
+    src, chunks, waiting = await pending_wait()
+    src.queue.put_nowait("late")
+    chunks.interrupt()
+    assert await asyncio.wait_for(waiting, 1) is INTERRUPTED
+    assert waiting.cancelling() == 0  # the interrupt's cancellation was taken back
+    await chunks.close()
