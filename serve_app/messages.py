@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from serve_app.engine.outputs import pickled_as_arguments
 from serve_app.engine.params import DEFAULT_PRIORITY, FinishReason, SamplingParams
 
 
@@ -226,6 +227,12 @@ class ReplicaChunk:
 
 
 # -- prefill/decode disaggregation ------------------------------------------------------------
+
+
+# Every streamed chunk is pickled in the replica and loaded in the ingress: as constructor
+# arguments, a chunk of one token takes about half the bytes and two thirds of the time.
+for _cls in (TokenLogprobText, ChoiceDelta, StepInfo, ReplicaChunk):
+    pickled_as_arguments(_cls)
 
 
 @dataclass(slots=True)

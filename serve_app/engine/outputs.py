@@ -73,7 +73,8 @@ class RequestOutput:
     kv_import_ms: float | None = None
 
 
-def _pickled_as_arguments(cls: type) -> None:
+def pickled_as_arguments(cls: type) -> None:
+    """Pickle cls (a slotted dataclass) as its constructor's positional arguments."""
     fields = dataclasses.fields(cls)
     assert all(f.init for f in fields), cls  # positional arguments in field order
     values = operator.attrgetter(*(f.name for f in fields))
@@ -85,4 +86,4 @@ def _pickled_as_arguments(cls: type) -> None:
 
 
 for _cls in (TokenLogprob, CompletionOutput, StepMetrics, RequestOutput):
-    _pickled_as_arguments(_cls)
+    pickled_as_arguments(_cls)
