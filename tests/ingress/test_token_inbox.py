@@ -138,7 +138,10 @@ def test_a_connection_without_the_secret_is_closed_unread(transport):
         req = request("r1")
         response = Response()
         reader = asyncio.ensure_future(read_all(inbox.stream(req, lambda: response)))
-        await asyncio.sleep(0.01)
+        for _ in range(200):  # listening (the TCP address is resolved on a worker thread)
+            await asyncio.sleep(0.01)
+            if req.reply_to is not None:
+                break
         address = req.reply_to
         if transport == "unix":
             sock_reader, writer = await asyncio.open_unix_connection(address.path)
