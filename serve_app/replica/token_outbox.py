@@ -5,7 +5,8 @@ on any node) gets a `Link` to that ingress's socket (one connection per ingress,
 first such request). Its chunks are
 `put` on the link instead of being yielded through Ray; the link writes everything put during one
 turn of the event loop as one message, so the chunks that one engine step gives this ingress's
-requests (their stream coroutines all wake on the step's hand-over) travel together. A link that
+requests (made in the step's one hand-over) travel together; chunks of one request put in the same
+turn (the event loop fell behind the engine) travel as one. A link that
 cannot be opened is tried again after RETRY_S; meanwhile requests stream through Ray.
 """
 
@@ -38,7 +39,7 @@ class Link:
         on_close: Callable[[Link], None] = lambda link: None,
     ) -> None:
         self._writer = writer
-        self._pending: list[ReplicaChunk] = []
+        self._pending: dict[str, ReplicaChunk] = {}  # by request id, in the order put
         self._scheduled = False
         self.alive = True
         self._on_close = on_close
@@ -62,9 +63,14 @@ class Link:
                 await asyncio.wait_for(self._writer.drain(), DRAIN_S)
 
     def put(self, chunk: ReplicaChunk, now: bool = False) -> None:
-        """Sends chunk with the others put in this turn of the event loop; `now` sends them at
-        once (a request's final chunk, before its Ray stream ends)."""
-        self._pending.append(chunk)
+        """Sends chunk with the others put in this turn of the event loop (folded into an
+        earlier one of its request not sent yet); `now` sends them at once (a request's final
+        chunk, before its Ray stream ends)."""
+        earlier = self._pending.get(chunk.request_id)
+        if earlier is None:
+            self._pending[chunk.request_id] = chunk
+        else:
+            earlier.absorb(chunk)
         if now:
             self.flush()
         elif not self._scheduled:
@@ -73,11 +79,11 @@ class Link:
 
     def flush(self) -> None:
         self._scheduled = False
-        chunks, self._pending = self._pending, []
+        chunks, self._pending = self._pending, {}
         if not chunks or not self.alive:
             return
         try:
-            data = pickle.dumps(chunks, protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(list(chunks.values()), protocol=pickle.HIGHEST_PROTOCOL)
             self._writer.write(TOKEN_FRAME.pack(len(data)) + data)
         except Exception:
             logger.exception("token socket: writing to the ingress failed")

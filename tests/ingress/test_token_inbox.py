@@ -114,6 +114,36 @@ def test_the_chunks_of_one_loop_turn_travel_as_one_frame_to_each_request(replica
     assert mode == 0o700 and not os.path.exists(path)  # private, and removed by close()
 
 
+def test_chunks_of_one_request_put_in_one_loop_turn_travel_as_one():
+    """The replica's event loop fell behind the engine: two steps' chunks of a request, put in
+    the same turn, arrive as one chunk with both tokens (and the final's facts)."""
+
+    async def run():
+        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        req, response = request("r1"), Response()
+        reader = asyncio.ensure_future(read_all(inbox.stream(req, lambda: response)))
+        while req.reply_to is None:
+            await asyncio.sleep(0.01)
+        link = await outbox.link(req.reply_to)
+        link.put(chunk("r1", 0))
+        await asyncio.sleep(0.01)
+        link.put(chunk("r1", 1))
+        link.put(chunk("r1", 2))
+        final = chunk("r1", 3, finished=True)
+        final.stats = {"num_running": 0}
+        link.put(final, now=True)
+        response.ended.set()
+        got = await reader
+        inbox.close()
+        outbox.close()
+        return got, inbox
+
+    got, inbox = asyncio.run(run())
+    assert [c.choices[0].token_ids for c in got] == [[0], [1, 2, 3]]
+    assert got[-1].choices[0].text == "<1><2><3>" and got[-1].finished
+    assert got[-1].stats == {"num_running": 0} and inbox.num_chunks == 2
+
+
 def test_a_replica_on_another_node_or_without_a_socket_streams_through_ray():
     async def run():
         inbox = TokenInbox(NODE)
