@@ -6,7 +6,8 @@ worker on both sides). A request still goes to its model replica through the han
 cancellation, a replica's death stay Ray Serve's), but it carries this inbox's address
 (`StreamAddress`): a replica on the same node connects to it once and from then on writes, per
 engine step, the chunks of all the requests it runs for this ingress as one length-prefixed
-pickle (`replica/token_outbox.py`), which this side fans out to the requests' queues. Such a
+pickle (`replica/token_outbox.py`), which this side fans out to the requests' queues. A request
+whose consumer fell behind gets what waits in its queue as one chunk. Such a
 request's Ray stream yields nothing and ends once its final chunk is written; a replica on
 another node, or one that cannot connect, yields its chunks through Ray as before, and the
 request reads them from the same queue.
@@ -107,11 +108,14 @@ class TokenInbox:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[target.request_id] = queue
         response, watcher, done, ended = None, None, False, False
+        held = None  # what came after chunks folded into one, for the next turn
         try:
             response = send()
             watcher = asyncio.ensure_future(_watch(response, queue))
             while True:
-                if ended:
+                if held is not None:
+                    item, held = held, None
+                elif ended:
                     try:
                         item = await asyncio.wait_for(queue.get(), LAST_CHUNK_S)
                     except TimeoutError:
@@ -127,6 +131,14 @@ class TokenInbox:
                     raise TokenStreamLost("the replica's token stream closed mid-request")
                 if isinstance(item, BaseException):
                     raise item
+                # The consumer fell behind (the client, or this event loop): the chunks that
+                # are waiting go out as one, never waiting for more
+                while not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if not isinstance(later, ReplicaChunk):
+                        held = later
+                        break
+                    item.absorb(later)
                 if item.finished:  # the request is over: forget it now, the caller may not
                     done = True  # close this generator after the last chunk
                     self._forget(target.request_id, watcher)

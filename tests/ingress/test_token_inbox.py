@@ -144,6 +144,34 @@ def test_chunks_of_one_request_put_in_one_loop_turn_travel_as_one():
     assert got[-1].stats == {"num_running": 0} and inbox.num_chunks == 2
 
 
+def test_a_request_that_fell_behind_gets_what_waits_as_one_chunk():
+    """Chunks that arrive while the request's consumer is busy come out folded into one; one
+    that finds the consumer waiting comes out at once, alone (a first token is never held)."""
+
+    async def run():
+        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        req, response = request("r1"), Response()
+        stream = inbox.stream(req, lambda: response)
+        first = asyncio.ensure_future(anext(stream))
+        while req.reply_to is None:
+            await asyncio.sleep(0.01)
+        link = await outbox.link(req.reply_to)
+        link.put(chunk("r1", 0))
+        got = [await first]  # alone, as soon as it came
+        for step in (1, 2, 3):  # three steps while the consumer is busy elsewhere
+            link.put(chunk("r1", step, finished=step == 3))
+            await asyncio.sleep(0.01)
+        response.ended.set()
+        got += await read_all(stream)
+        inbox.close()
+        outbox.close()
+        return got
+
+    got = asyncio.run(run())
+    assert [c.choices[0].token_ids for c in got] == [[0], [1, 2, 3]]
+    assert [c.finished for c in got] == [False, True] and got[1].choices[0].text == "<1><2><3>"
+
+
 def test_a_replica_on_another_node_or_without_a_socket_streams_through_ray():
     async def run():
         inbox = TokenInbox(NODE)
@@ -157,7 +185,8 @@ def test_a_replica_on_another_node_or_without_a_socket_streams_through_ray():
         return chunks, elsewhere, nowhere, inbox
 
     chunks, elsewhere, nowhere, inbox = asyncio.run(run())
-    assert [c.choices[0].token_ids for c in chunks] == [[7], [8]] and chunks[-1].finished
+    # both were waiting when the request read: one chunk (see the coalescing test)
+    assert [c.choices[0].token_ids for c in chunks] == [[7, 8]] and chunks[-1].finished
     assert elsewhere is None and nowhere is None and inbox.num_frames == 0
 
 
