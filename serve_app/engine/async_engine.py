@@ -224,4 +224,7 @@ class AsyncEngine:
 
 def _put_all(puts: list[tuple[Callable, object]]) -> None:
     for take, item in puts:
-        take(item)
+        try:
+            take(item)
+        except Exception:  # one consumer's bug must not keep the step's outputs from the rest
+            logger.exception("handing an engine output to its consumer failed")

@@ -267,3 +267,30 @@ def test_feeding_hands_each_output_to_a_function_and_leaving_aborts(process_engi
     assert got[-1].finished and not any(o.finished for o in got[:-1])
     assert len(refused) == 1 and isinstance(refused[0], RequestRejected)
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_a_consumer_that_raises_does_not_starve_the_others(process_engine, caplog):
+    """The step's outputs go to every request's consumer in one hand-over: one that raises is
+    logged, and the others still get theirs."""
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        got, done = [], loop.create_future()
+
+        def take(item):
+            got.append(item)
+            if item.finished:
+                done.set_result(None)
+
+        def broken(item):
+            raise RuntimeError("a bug in a consumer")
+
+        with process_engine.feeding(EngineRequest("broken", PROMPTS[0], GREEDY), broken):
+            with process_engine.feeding(EngineRequest("fine", PROMPTS[1], GREEDY), take):
+                await asyncio.wait_for(done, 30)
+        return got, await _idle(process_engine)
+
+    got, stats = asyncio.run(run())
+    assert sum(len(o.outputs[0].new_token_ids) for o in got) == GREEDY.max_tokens
+    assert "a bug in a consumer" in caplog.text
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
