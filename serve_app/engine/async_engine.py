@@ -84,11 +84,11 @@ class AsyncEngine:
 
     async def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         """Like `generate`, but each item is every output queued for the request when the
-        consumer asks (at least one, in step order): never waits for more to arrive."""
+        consumer asks (at least one, in step order): never waits for more to arrive. The queue
+        is what `feeding` hands the outputs to."""
         outputs: asyncio.Queue = asyncio.Queue()
-        self._add(request, outputs.put_nowait)
-        finished = False
-        try:
+        with self.feeding(request, outputs.put_nowait):
+            finished = False
             while not finished:
                 batch = [await outputs.get()]
                 while not outputs.empty():
@@ -105,10 +105,6 @@ class AsyncEngine:
                         del batch[i + 1 :]
                         break
                 yield batch
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self.abort(request.request_id)
 
     @contextmanager
     def feeding(
@@ -125,23 +121,20 @@ class AsyncEngine:
             over = over or isinstance(item, Exception) or item.finished
             take(item)
 
-        self._add(request, take_and_note)
-        try:
-            yield
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not over:
-                self.abort(request.request_id)
-
-    def _add(self, request: EngineRequest, take: Callable) -> None:
         if request.request_id in self._streams:  # refused here: the engine's refusal would
             # go to the stream registered under that id, the other request's
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if request.arrival_time is None:
             request.arrival_time = time.monotonic()
         loop = asyncio.get_running_loop()
-        self._streams[request.request_id] = (loop, take, request.prompt_token_ids)
+        self._streams[request.request_id] = (loop, take_and_note, request.prompt_token_ids)
         self._send(("add", request))
+        try:
+            yield
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not over:
+                self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
