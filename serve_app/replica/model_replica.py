@@ -33,7 +33,7 @@ from serve_app.messages import (
     ReplicaRequest,
 )
 from serve_app.replica.output_processor import OutputProcessor
-from serve_app.replica.relay import Relay
+from serve_app.replica.relay import Relay, chunk_of
 from serve_app.replica.token_outbox import TokenOutbox, ray_node_id
 
 logger = logging.getLogger(__name__)
@@ -222,13 +222,9 @@ class ModelReplica:
                 # behind.
                 async with aclosing(self.engine.generate_batches(request)) as batches:
                     async for outputs in batches:
-                        if handoff is not None:
-                            handoff.note_import(outputs)
-                        chunk = processor.process_all(outputs)
+                        chunk = chunk_of(processor, outputs, handoff)
                         if chunk is None:
                             continue
-                        if handoff is not None:
-                            handoff.stamp(chunk)
                         if chunk.finished:
                             final = chunk
                             break

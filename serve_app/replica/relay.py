@@ -39,13 +39,9 @@ class Relay:
         try:
             if isinstance(item, Exception):
                 raise item
-            if self.handoff is not None:
-                self.handoff.note_import([item])
-            chunk = processor.process(item)
+            chunk = chunk_of(processor, [item], self.handoff)
             if chunk is None:
                 return
-            if self.handoff is not None:
-                self.handoff.stamp(chunk)
             if not self.link.alive:  # the ingress's side closed
                 chunk = processor.error_chunk(ErrorKind.ENGINE, SOCKET_CLOSED)
         except Exception as exc:  # an engine refusal or failure, or a bug here
@@ -54,3 +50,16 @@ class Relay:
             self.final.set_result(chunk)
         else:
             self.link.put(chunk)
+
+
+def chunk_of(
+    processor: OutputProcessor, outputs: list[RequestOutput], handoff: Handoff | None
+) -> ReplicaChunk | None:
+    """The chunk for consecutive engine outputs of one request (None: nothing to send yet),
+    with a PD decode's hand-off facts on its first chunk."""
+    if handoff is not None:
+        handoff.note_import(outputs)
+    chunk = processor.process_all(outputs)
+    if chunk is not None and handoff is not None:
+        handoff.stamp(chunk)
+    return chunk
