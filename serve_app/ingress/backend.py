@@ -8,6 +8,7 @@ early, a cancelled task) aborts the request in the replica, which frees its KV b
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -24,6 +25,9 @@ from serve_app.messages import (
     TokenizedPrompt,
     TokenizeRequest,
 )
+from serve_app.tokenizer.limits import TokenLimits, token_ids_prompt
+
+logger = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
@@ -155,12 +159,22 @@ class RayBackend(_Targets):
         self.app_name = app_name
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
         self.token_inbox = token_inbox
+        self._limits: dict[str, TokenLimits] = {}  # per model, once the pool said
+        self._asking: dict[str, asyncio.Future] = {}
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
         """Tokenizing has no side effect: a pool replica that died under the call is retried
-        once on another; if that fails too, the request is refused as unavailable (503)."""
+        once on another; if that fails too, the request is refused as unavailable (503).
+
+        A prompt of token ids needs no tokenizer, only its model's limits: once the pool has
+        told this ingress those (one call per model), such a prompt is checked here by the
+        pool's own function, a round trip to the pool (~1 ms of CPU) less per request."""
         from ray.exceptions import RayActorError
 
+        if req.kind == "token_ids":
+            limits = self._limits.get(req.model) or await self._learn_limits(req.model)
+            if limits is not None:
+                return token_ids_prompt(limits, req)
         try:
             return await self.tokenizer_pool.tokenize.remote(req)
         except RayActorError:
@@ -170,6 +184,28 @@ class RayBackend(_Targets):
         except RayActorError:
             message = "no tokenizer pool replica is available now; retry later"
             return Rejection(None, message, ErrorKind.UNAVAILABLE)
+
+    async def _learn_limits(self, model: str) -> TokenLimits | None:
+        """`model`'s token limits from the pool (one call at a time per model); None when the
+        pool cannot say now (then the pool checks the prompt, and is asked again next time)."""
+        asking = self._asking.get(model)
+        if asking is None:
+            asking = self._asking[model] = asyncio.ensure_future(self._ask_limits(model))
+        try:
+            limits = await asyncio.shield(asking)
+        finally:
+            if asking.done() and self._asking.get(model) is asking:
+                del self._asking[model]
+        if limits is not None:
+            self._limits[model] = limits
+        return limits
+
+    async def _ask_limits(self, model: str) -> TokenLimits | None:
+        try:
+            return await self.tokenizer_pool.limits.remote(model)
+        except Exception as exc:  # no pool replica now, a model the pool does not serve
+            logger.debug("token limits of %r not known yet: %s", model, exc)
+            return None
 
     def generate(self, model: str, req: ReplicaRequest) -> AsyncIterator[ReplicaChunk]:
         handle = self.replicas[model].options(stream=True)

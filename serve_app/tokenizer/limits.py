@@ -9,9 +9,10 @@ engine's rule (`engine.params.output_cap`), so both sides cap alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serve_app.engine.params import output_cap
+from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest
 
 # /infer, /infer_token and Triton generate: max_new_tokens defaults to 20, as in MindIE.
 # OpenAI-style max_tokens defaults to maxIterTimes instead: `TokenLimits.default_max_tokens`.
@@ -124,3 +125,19 @@ class TokenLimits:
 
     def pd_decode_tokens(self, max_tokens: int | None) -> int:
         return self.pd_total_tokens(max_tokens) - 1  # tokens D generates after P's first
+
+
+def token_ids_prompt(limits: TokenLimits, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
+    """A prompt the client gave as token ids (`req.kind == "token_ids"`), checked: every id in
+    the vocabulary, the length rule (cut to its last tokens under truncation). Needs no
+    tokenizer, only the model's limits: the tokenizer pool runs it, and so does the ingress
+    itself once it has a model's limits (`ingress/backend.py`), without a round trip."""
+    if not isinstance(req.token_ids, list):
+        return Rejection(req.param, f"{req.param} must be a list of token ids")
+    if req.truncate and not limits.truncation:
+        limits = replace(limits, truncation=True)
+    try:
+        kept = limits.check_token_ids(req.token_ids, req.param)
+    except TokenLimitError as exc:
+        return Rejection(exc.param, exc.message, ErrorKind.VALIDATION)
+    return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(req.token_ids))

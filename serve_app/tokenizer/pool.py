@@ -18,7 +18,7 @@ from serve_app.config import AppConfig
 from serve_app.engine.cpus import bind_process
 from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest, text_of
 from serve_app.models.loader import load_tokenizer, resolve_model_path
-from serve_app.tokenizer.limits import TokenLimitError, TokenLimits
+from serve_app.tokenizer.limits import TokenLimitError, TokenLimits, token_ids_prompt
 from serve_app.tokenizer.tools import with_tools
 
 
@@ -158,10 +158,10 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
         kept = limits.check_chat_prompt(ids, param)
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
     if req.kind == "token_ids":
-        if not isinstance(req.token_ids, list):
-            raise _Refused(req.param, f"{req.param} must be a list of token ids")
-        kept = limits.check_token_ids(req.token_ids, req.param)
-        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(req.token_ids))
+        result = token_ids_prompt(served.limits, req)
+        if isinstance(result, Rejection):
+            raise _Refused(result.param, result.message, result.kind)
+        return result
     raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", ErrorKind.UNSUPPORTED)
 
 

@@ -83,3 +83,106 @@ def test_the_ingress_sends_its_calls_over_grpc_except_the_pd_ones(monkeypatch):
     assert backend.embedding_replicas["emb"].opts == grpc and backend.stop_registry.opts == grpc
     # their messages carry the KV's ObjectRef: Ray's own serialization
     assert backend.prefill_replicas["demo"].opts == {} == backend.decode_replicas["demo"].opts
+
+
+class PoolHandle:
+    """A deployment handle on a real TokenizerPool that counts the calls of each method; the
+    first `limits_failures` calls of `limits` meet a dead replica."""
+
+    def __init__(self, pool, limits_failures: int = 0) -> None:
+        self.pool, self.limits_failures = pool, limits_failures
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        method = getattr(self.pool, name)
+        handle = self
+
+        class Method:
+            def remote(self, *args):
+                handle.calls[name] = handle.calls.get(name, 0) + 1
+
+                async def answer():
+                    await asyncio.sleep(0)  # a real call answers on a later turn
+                    if name == "limits" and handle.calls[name] <= handle.limits_failures:
+                        raise ActorDiedError()
+                    result = method(*args)
+                    return await result if asyncio.iscoroutine(result) else result
+
+                return answer()
+
+        return Method()
+
+
+def _demo_pool(truncation: bool = False):
+    from serve_app.config import load_config
+    from serve_app.tokenizer.pool import TokenizerPool
+
+    model = {"modelName": "demo", "modelWeightPath": "demo-tiny", "dtype": "float32"}
+    deploy = {"maxSeqLen": 512, "maxInputTokenLen": 256, "truncation": truncation}
+    return TokenizerPool(
+        load_config({"BackendConfig": {"ModelDeployConfig": {**deploy, "ModelConfig": [model]}}})
+    )
+
+
+ID_PROMPTS = [
+    dict(token_ids=[0, 1, 151642], param="input_id"),
+    dict(token_ids=[5, 151936], param="input_id"),  # outside the vocabulary
+    dict(token_ids=[5, -1]),
+    dict(token_ids=[5, True]),  # a bool is no token id
+    dict(token_ids=[]),
+    dict(token_ids=list(range(1, 301))),  # over maxInputTokenLen
+    dict(token_ids=list(range(1, 301)), truncate=True),  # the request asks to cut it
+    dict(token_ids="1 2 3"),  # not a list
+]
+
+
+def test_token_id_prompts_are_checked_in_the_ingress_as_the_pool_checks_them():
+    pool = _demo_pool()
+    handle = PoolHandle(pool)
+    backend = RayBackend(handle, {})
+
+    async def run():
+        for fields in ID_PROMPTS:
+            req = TokenizeRequest(model="demo", kind="token_ids", **fields)
+            assert await backend.tokenize(req) == await pool.tokenize(req), fields
+        # a text prompt still needs the pool's tokenizer
+        text = TokenizeRequest(model="demo", kind="text", text="hi")
+        assert await backend.tokenize(text) == await pool.tokenize(text)
+
+    asyncio.run(run())
+    assert handle.calls == {"limits": 1, "tokenize": 1}  # the limits once, then only the text
+
+
+def test_a_server_that_cuts_prompts_cuts_id_prompts_in_the_ingress_too():
+    pool = _demo_pool(truncation=True)
+    backend = RayBackend(PoolHandle(pool), {})
+    req = TokenizeRequest(model="demo", kind="token_ids", token_ids=list(range(1, 301)))
+    out = asyncio.run(backend.tokenize(req))
+    assert out.truncated and out.prompt_token_ids == list(range(45, 301))
+
+
+def test_limits_are_asked_once_for_concurrent_requests_and_again_after_a_failure():
+    handle = PoolHandle(_demo_pool(), limits_failures=1)
+    backend = RayBackend(handle, {})
+    req = TokenizeRequest(model="demo", kind="token_ids", token_ids=[1, 2, 3])
+
+    async def run():
+        # the first ask meets a dead replica: the pool checks these prompts itself
+        first = await asyncio.gather(*(backend.tokenize(req) for _ in range(4)))
+        assert handle.calls == {"limits": 1, "tokenize": 4}
+        # the next requests ask again (once for all of them), then no call at all
+        later = await asyncio.gather(*(backend.tokenize(req) for _ in range(4)))
+        assert handle.calls == {"limits": 2, "tokenize": 4}
+        assert await backend.tokenize(req) == first[0] == later[0]
+        assert first[0].prompt_token_ids == [1, 2, 3]
+
+    asyncio.run(run())
+    assert handle.calls == {"limits": 2, "tokenize": 4}
+
+
+def test_a_model_the_pool_does_not_serve_gets_the_pools_refusal():
+    handle = PoolHandle(_demo_pool())
+    req = TokenizeRequest(model="nope", kind="token_ids", token_ids=[1, 2, 3])
+    refused = asyncio.run(RayBackend(handle, {}).tokenize(req))
+    assert isinstance(refused, Rejection) and refused.kind == ErrorKind.NOT_FOUND
+    assert handle.calls == {"limits": 1, "tokenize": 1}
