@@ -65,8 +65,6 @@ class TokenInbox:
         self._connections: set[asyncio.StreamWriter] = set()
         # the connection that carries each running request's chunks, once one came through it
         self._carriers: dict[str, asyncio.StreamWriter] = {}
-        # finished requests' Ray streams, read until they end (`_forget`)
-        self._ending: set[asyncio.Future] = set()
         self.num_frames = 0  # messages received from replicas
         self.num_chunks = 0  # chunks they carried
 
@@ -143,30 +141,19 @@ class TokenInbox:
                     item.absorb(later)
                 if item.finished:  # the request is over: forget it now, the caller may not
                     done = True  # close this generator after the last chunk
-                    self._forget(target.request_id, watcher, finished=True)
+                    self._forget(target.request_id, watcher)
                 yield item
                 if done:
                     return
         finally:
-            self._forget(target.request_id, watcher, finished=done)
+            self._forget(target.request_id, watcher)
             if response is not None and not done:  # left early (client gone, stopInfer,
                 response.cancel()  # timeout): abort in the replica
 
-    def _forget(
-        self, request_id: str, watcher: asyncio.Future | None, finished: bool = False
-    ) -> None:
-        """Drops the request's queue. Its Ray stream is cancelled if it left early; a finished
-        request's stream ends by itself right after the final chunk (the replica returns once
-        it is written), so it is read to its end instead: cancelling it would cost both sides
-        a gRPC cancellation for nothing."""
+    def _forget(self, request_id: str, watcher: asyncio.Future | None) -> None:
         self._queues.pop(request_id, None)
         self._carriers.pop(request_id, None)
-        if watcher is None or watcher.done() or watcher in self._ending:
-            return
-        if finished:
-            self._ending.add(watcher)  # a strong reference until it ends
-            watcher.add_done_callback(self._ending.discard)
-        else:
+        if watcher is not None:
             watcher.cancel()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -205,8 +192,6 @@ class TokenInbox:
             server.close()
         for writer in list(self._connections):
             writer.close()
-        for watcher in list(self._ending):
-            watcher.cancel()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

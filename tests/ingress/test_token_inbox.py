@@ -37,20 +37,14 @@ class Response:
         self.items, self.fail = list(items), fail
         self.ended = asyncio.Event()
         self.cancelled = False
-        self.read = None  # how its reader left it: "to its end", "cancelled"
 
     def __aiter__(self):
         return self._run()
 
     async def _run(self):
-        try:
-            for item in self.items:
-                yield item
-            await self.ended.wait()
-        except asyncio.CancelledError:  # what cancels a real Serve stream's gRPC call
-            self.read = "cancelled"
-            raise
-        self.read = "to its end"
+        for item in self.items:
+            yield item
+        await self.ended.wait()
         if self.fail is not None:
             raise self.fail
 
@@ -287,49 +281,6 @@ def test_a_request_is_forgotten_once_its_final_chunk_is_out():
 
     final, (queues, carriers) = asyncio.run(run())
     assert final.finished and queues == {} and carriers == {}
-
-
-def test_a_finished_requests_ray_stream_is_read_to_its_end_not_cancelled():
-    """The replica ends its Ray stream right after it wrote the final chunk to the socket:
-    cancelling the stream then would only cost a gRPC cancellation on both sides."""
-
-    async def run():
-        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
-        req, response = request("r1"), Response()
-        reader = asyncio.ensure_future(read_all(inbox.stream(req, lambda: response)))
-        while not req.reply_to:
-            await asyncio.sleep(0.01)
-        link = await outbox.link(req.reply_to)
-        link.put(chunk("r1", 1, finished=True))
-        chunks = await reader  # the request is over before its Ray stream ends
-        before = response.read, len(inbox._ending)
-        response.ended.set()
-        for _ in range(100):
-            if response.read is not None and not inbox._ending:
-                break
-            await asyncio.sleep(0.01)
-        inbox.close()
-        outbox.close()
-        return chunks, before, response
-
-    chunks, before, response = asyncio.run(run())
-    assert [c.finished for c in chunks] == [True] and before == (None, 1)
-    assert response.read == "to its end" and not response.cancelled
-
-
-def test_a_request_that_left_early_has_its_ray_stream_cancelled():
-    async def run():
-        inbox = TokenInbox(NODE)
-        response = Response([chunk("r1", 1)])
-        stream = inbox.stream(request("r1"), lambda: response)
-        await stream.__anext__()
-        await stream.aclose()
-        await asyncio.sleep(0)  # the watcher's cancellation reaches the stream
-        inbox.close()
-        return response
-
-    response = asyncio.run(run())
-    assert response.read == "cancelled" and response.cancelled
 
 
 def test_the_replica_releases_and_forgets_the_link_of_an_ingress_that_went_away():
