@@ -79,11 +79,7 @@ def main() -> None:
     serve.start(proxy_location=spec.get("proxy_location", "HeadOnly"), http_options=proxy_http)
     print("serve_app: starting (a built-in model is built into the cache on its first use) ...")
     for app in apps:
-        serve.run(
-            build_app(app.get("args") or {}),
-            name=app.get("name", "serve_app"),
-            route_prefix=app.get("route_prefix", "/"),
-        )
+        serve.run(build_app(app.get("args") or {}), **_run_options(spec, app))
     try:
         _stop_on_signals()  # before it says it is ready: a signal from then on stops it
         url = f"http://{http['host']}:{http['port']}"
@@ -103,6 +99,18 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _run_options(spec: dict, app: dict) -> dict:
+    """serve.run's options for one application of the Serve config, as `serve run` reads them:
+    its name, route prefix and `logging_config` (the application's own, else the config's
+    top-level one; e.g. `{enable_access_log: false}` drops the log line Ray Serve writes per
+    request in every deployment)."""
+    return {
+        "name": app.get("name", "serve_app"),
+        "route_prefix": app.get("route_prefix", "/"),
+        "logging_config": app.get("logging_config") or spec.get("logging_config"),
+    }
 
 
 def _ray_cores(configs) -> set[int] | None:

@@ -92,3 +92,25 @@ def test_ray_keeps_off_the_engines_cores_only_when_every_engine_is_bound():
     assert main._ray_cores([models(engine), models(engine)]) == here - {max(here)}
     assert main._ray_cores([models(engine, "")]) is None  # an unbound engine needs every core
     assert main._ray_cores([load_config()]) is None
+
+
+def test_each_application_runs_with_its_name_prefix_and_logging_config():
+    spec = {
+        "logging_config": {"log_level": "WARNING"},
+        "applications": [
+            {"name": "a", "route_prefix": "/a", "logging_config": {"enable_access_log": False}},
+            {"import_path": "serve_app.app:build_app"},
+        ],
+    }
+    first, second = (main._run_options(spec, app) for app in spec["applications"])
+    assert first == {
+        "name": "a",
+        "route_prefix": "/a",
+        "logging_config": {"enable_access_log": False},  # the application's own wins
+    }
+    assert second == {
+        "name": "serve_app",
+        "route_prefix": "/",
+        "logging_config": {"log_level": "WARNING"},  # else the config's top-level one
+    }
+    assert main._run_options({}, {})["logging_config"] is None  # Ray Serve's defaults
