@@ -200,6 +200,62 @@ def test_a_gemm_too_small_to_share_is_the_callers(helpers):
     assert stats() == before
 
 
+speed = cpu_kernels.op("streamed_gemm_speed")
+
+
+@pytest.fixture(autouse=True)
+def _measured_speed_kept():
+    """The measured speed factors are the process's: a test that sets them puts them back."""
+    kept = speed()
+    yield
+    speed(kept)
+
+
+def _chunks_of_one_call(layer, x, factors):
+    """How many chunks one shared call of `layer` on `x` was cut into, with the measured speed
+    factors set to `factors` first, and its result."""
+    speed(factors)
+    before = stats()
+    with torch.inference_mode():
+        out = layer(x)
+    team, helper, taken = (after - was for after, was in zip(stats()[:3], before[:3], strict=True))
+    return team + helper + taken, out  # a chunk ends as the caller's, a helper's or taken back
+
+
+def test_a_gemms_chunks_grow_with_the_measured_speed(helpers):
+    # 32 rows x K 512 in float32: compute-bound in the model (a block ~16 us), 1024 blocks
+    helpers()
+    torch.manual_seed(0)
+    layer, x = cpu_gemm.StreamedLinear(torch.randn(32768, 512)), torch.randn(32, 512)
+    alone, expect = _chunks_of_one_call(layer, x, [1.0, 1.0])
+    faster, got = _chunks_of_one_call(layer, x, [1.0, 4.0])
+    assert faster < alone / 2  # ~0.2 ms of work per chunk at the speed measured
+    assert torch.equal(got, expect)  # whoever computes which blocks: the same sums
+    memory_bound, _ = _chunks_of_one_call(layer, x, [4.0, 1.0])  # the other factor: no change
+    assert memory_bound == alone
+
+
+def test_a_small_gemm_keeps_eight_chunks_however_fast_the_machine(helpers):
+    helpers()
+    layer, x = cpu_gemm.StreamedLinear(torch.randn(2816, 512)), torch.randn(32, 512)  # 88 blocks
+    chunks, _ = _chunks_of_one_call(layer, x, [64.0, 64.0])
+    assert chunks >= 8
+
+
+def test_the_callers_chunks_measure_the_speed(helpers):
+    helpers()
+    layer, x = cpu_gemm.StreamedLinear(torch.randn(32768, 512)), torch.randn(32, 512)
+    speed([1.0, 1.0])
+    with torch.inference_mode():
+        for _ in range(20):
+            layer(x)
+    memory, compute = speed()
+    assert memory == 1.0  # no memory-bound GEMM ran
+    assert compute != 1.0 and 0.25 <= compute <= 64.0
+    with pytest.raises(RuntimeError, match="> 0"):
+        speed([0.0, 1.0])
+
+
 def test_helpers_run_at_idle_priority_on_their_core(helpers):
     own = set(os.listdir("/proc/self/task"))
     helpers()

@@ -55,6 +55,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -400,6 +402,60 @@ struct Gemm {
   }
 };
 
+// A block's time as the chunk size's model has it: its multiplications at ~65 GFLOP/s or its
+// bytes at ~10 GB/s, whichever takes longer (one core of the first machines measured), and
+// which of the two that is.
+struct BlockCost {
+  double ns;
+  bool compute_bound;
+};
+
+BlockCost block_cost(int64_t M, int64_t K, int64_t element_size) {
+  const double flops_ns = 2.0 * static_cast<double>(M * K * kCols) / 65.0;
+  const double bytes_ns = static_cast<double>(K * kCols * element_size) / 10.0;
+  return {std::max(1.0, std::max(flops_ns, bytes_ns)), flops_ns >= bytes_ns};
+}
+
+// How many times faster than that model this machine's callers compute a block, measured on the
+// chunks they compute (an average over about the last 20), one factor for blocks the model finds
+// compute-bound and one for memory-bound ones; 1 until measured. Without it a chunk could be far
+// smaller than meant on a fast core (AVX512-BF16's pairs: ~7x the model's rate), and a chunk
+// has a cost of its own (claiming it, a helper's copy into place, the prefetcher's new stream):
+// the demo's LM head at 32 rows in 400 chunks took 6.4 ms with a helper, in 60 chunks 5.9.
+std::atomic<double> measured_speed[2] = {1.0, 1.0};  // [memory-bound, compute-bound]
+
+void note_speed(const BlockCost& cost, int64_t blocks, double ns) {
+  if (ns <= 0.0) return;
+  const double sample = std::clamp(cost.ns * static_cast<double>(blocks) / ns, 0.25, 64.0);
+  auto& speed = measured_speed[cost.compute_bound];
+  const double was = speed.load(std::memory_order_relaxed);
+  speed.store(was + (sample - was) * 0.05, std::memory_order_relaxed);  // races: a lost sample
+}
+
+// Blocks per chunk when helpers share a GEMM of `blocks`: about 0.2 ms of work each at the
+// measured speed (so that a caller which takes back a late helper's chunk redoes little), but
+// never fewer chunks than 8 for that (so that the threads of a small GEMM still share it), nor
+// smaller ones than the model alone gives.
+int64_t blocks_per_chunk(int64_t M, int64_t K, int64_t element_size, int64_t blocks) {
+  const BlockCost cost = block_cost(M, K, element_size);
+  const double speed = measured_speed[cost.compute_bound].load(std::memory_order_relaxed);
+  const auto of = [&](double factor) {
+    return std::max<int64_t>(1, static_cast<int64_t>(200000.0 * factor / cost.ns));
+  };
+  return std::max(of(1.0), std::min(of(speed), blocks / 8));
+}
+
+// streamed_gemm_speed(float[] set=[]) -> float[]: the measured factors [memory-bound,
+// compute-bound]; `set` replaces them first (tests).
+std::vector<double> streamed_gemm_speed(c10::ArrayRef<double> set) {
+  TORCH_CHECK(set.empty() || set.size() == 2, "set: two factors or none");
+  for (size_t i = 0; i < set.size(); ++i) {
+    TORCH_CHECK(set[i] > 0.0, "a speed factor must be > 0");
+    measured_speed[i].store(set[i], std::memory_order_relaxed);
+  }
+  return {measured_speed[0].load(), measured_speed[1].load()};
+}
+
 // The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of whole blocks: the
 // last two chunks' worth cut in quarters, so that a caller which takes back the chunk of a late
 // helper at the end redoes a quarter of one. It holds the tensors it reads: a helper whose chunk
@@ -431,8 +487,11 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
   int64_t end(int64_t c) const { return bounds[c + 1]; }
   int64_t cols(int64_t c) const { return std::min(gemm.n, end(c) * kCols) - begin(c) * kCols; }
 
-  void run(int64_t c) override {
+  void run(int64_t c) override {  // the caller's threads: timed, for blocks_per_chunk
+    const auto start = std::chrono::steady_clock::now();
     gemm.blocks_into(begin(c), end(c), out + begin(c) * kCols, gemm.n);
+    const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+    note_speed(block_cost(M, gemm.K, sizeof(T)), end(c) - begin(c), took.count());
   }
 
   void run_into(int64_t c, std::vector<char>& scratch) override {
@@ -455,22 +514,12 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
   const std::vector<at::Tensor> keep;  // x (as the tiles read it), the weight, bias and other
 };
 
-// Blocks per chunk when helpers share a GEMM: about 0.2 ms of work each (a block costs its
-// multiplications at ~65 GFLOP/s or its bytes at ~10 GB/s, whichever takes longer: one core of
-// the machines measured), so that a caller which takes back a late helper's chunk redoes little.
-int64_t blocks_per_chunk(int64_t M, int64_t K, int64_t element_size) {
-  const double flops_ns = 2.0 * static_cast<double>(M * K * kCols) / 65.0;
-  const double bytes_ns = static_cast<double>(K * kCols * element_size) / 10.0;
-  const double block_ns = std::max(1.0, std::max(flops_ns, bytes_ns));
-  return std::max<int64_t>(1, static_cast<int64_t>(200000.0 / block_ns));
-}
-
 // out = the GEMM: shared with the helpers when some run and it makes two chunks or more, else
 // on the torch threads alone
 template <typename T>
 void gemm(Gemm<T> g, int64_t M, T* out, std::vector<at::Tensor> keep) {
   if (serve_app_cpu::spare_helpers() > 0) {
-    const int64_t per_chunk = blocks_per_chunk(M, g.K, sizeof(T));
+    const int64_t per_chunk = blocks_per_chunk(M, g.K, sizeof(T), g.blocks);
     if (g.blocks > per_chunk) {
       auto bounds = SharedGemm<T>::cut(g.blocks, per_chunk);
       serve_app_cpu::run_shared(std::make_shared<SharedGemm<T>>(std::move(g), M, std::move(bounds),
@@ -539,6 +588,7 @@ TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
       "streamed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None, Tensor? other=None, "
       "int epilogue=0) -> Tensor");
   m.def("streamed_bf16_pairs() -> bool", &streamed_bf16_pairs);
+  m.def("streamed_gemm_speed(float[] set=[]) -> float[]", &streamed_gemm_speed);
 }
 
 TORCH_LIBRARY_IMPL(serve_app_cpu, CPU, m) { m.impl("streamed_linear", &streamed_linear); }
