@@ -36,6 +36,9 @@ class TokenLimitError(ValueError):
         self.actual = actual
         self.message = message
 
+    def rejection(self) -> Rejection:
+        return Rejection(self.param, self.message, ErrorKind.VALIDATION)
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLimits:
@@ -45,6 +48,10 @@ class TokenLimits:
     truncation: bool = False
     max_position_embeddings: int | None = None  # None: config.json has none, no bound
     vocab_size: int | None = None  # None or 0 (MindIE's default when absent): id range only
+
+    def for_request(self, truncate: bool) -> TokenLimits:
+        """These limits for a request that asks to cut its prompt (`truncate`) or not."""
+        return replace(self, truncation=True) if truncate and not self.truncation else self
 
     def _with_pos(self, *bounds: int) -> int:
         mpe = self.max_position_embeddings
@@ -134,10 +141,8 @@ def token_ids_prompt(limits: TokenLimits, req: TokenizeRequest) -> TokenizedProm
     itself once it has a model's limits (`ingress/backend.py`), without a round trip."""
     if not isinstance(req.token_ids, list):
         return Rejection(req.param, f"{req.param} must be a list of token ids")
-    if req.truncate and not limits.truncation:
-        limits = replace(limits, truncation=True)
     try:
-        kept = limits.check_token_ids(req.token_ids, req.param)
+        kept = limits.for_request(req.truncate).check_token_ids(req.token_ids, req.param)
     except TokenLimitError as exc:
-        return Rejection(exc.param, exc.message, ErrorKind.VALIDATION)
+        return exc.rejection()
     return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(req.token_ids))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.config import AppConfig
@@ -109,7 +109,7 @@ class TokenizerPool:
             with served.lock:
                 return _tokenize(served, req)
         except TokenLimitError as exc:  # too long, empty, or an id outside the vocabulary
-            return Rejection(exc.param, exc.message, ErrorKind.VALIDATION)
+            return exc.rejection()
         except _Refused as exc:
             return exc.rejection
 
@@ -133,10 +133,8 @@ def _encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> list[
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
-    tokenizer, limits = served.tokenizer, served.limits
-    if req.truncate and not limits.truncation:
-        limits = replace(limits, truncation=True)
+def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
+    tokenizer, limits = served.tokenizer, served.limits.for_request(req.truncate)
     if req.kind == "templated" and getattr(tokenizer, "chat_template", None):
         if not isinstance(req.text, str):
             raise _Refused(req.param, f"{req.param} must be a string")
@@ -158,10 +156,7 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
         kept = limits.check_chat_prompt(ids, param)
         return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
     if req.kind == "token_ids":
-        result = token_ids_prompt(served.limits, req)
-        if isinstance(result, Rejection):
-            raise _Refused(result.param, result.message, result.kind)
-        return result
+        return token_ids_prompt(limits, req)
     raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", ErrorKind.UNSUPPORTED)
 
 
