@@ -7,7 +7,6 @@ has really started answers 200 (Ray Serve LLM does the same).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -16,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from serve_app.ingress.request_ids import internal_error
 from serve_app.messages import ReplicaChunk
 from serve_app.protocol.errors import APIError, Family
+from serve_app.protocol.event_json import compact_json
 
 DONE = "data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"
@@ -23,7 +23,7 @@ MEDIA_TYPE = "text/event-stream"
 
 def event(payload: dict) -> str:
     """One SSE event; compact JSON like MindIE's examples, non-ASCII text kept as is."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {compact_json(payload)}\n\n"
 
 
 async def peek(chunks: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:

@@ -15,11 +15,11 @@ the reply is held until it is whole (a call cannot be told from text before).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 from serve_app.messages import ChoiceDelta, ReplicaChunk, TokenLogprobText
+from serve_app.protocol.event_json import compact_json
 from serve_app.protocol.responses import ResponsesRequest
 from serve_app.protocol.tool_calls import parse_tool_calls
 
@@ -231,5 +231,4 @@ def _flat_choice(choice, has_tools: bool):
 
 def sse_event(payload: dict) -> str:
     """A Responses stream event: its type on an `event:` line, then the data."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {payload['type']}\ndata: {data}\n\n"
+    return f"event: {payload['type']}\ndata: {compact_json(payload)}\n\n"
