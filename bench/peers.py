@@ -180,6 +180,10 @@ class Peer:
             except subprocess.TimeoutExpired:
                 continue
 
+    def pids(self) -> list[int]:
+        """The started server's process (its CPU, with its children's, is measured per level)."""
+        return [self.process.pid] if self.process is not None else []
+
     def describe(self) -> str:
         """The command line as it was (or would be) run."""
         return " ".join(self._cmd) if self._cmd else f"{self.name} (not started)"

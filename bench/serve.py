@@ -48,6 +48,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     random_token_ids,
 )
 from peers import REFUSES, Peer, PeerUnavailable, parse_peers  # noqa: E402
+from proc_cpu import TreeCPU  # noqa: E402
 
 DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
 DEFAULT_CONCURRENCY = "1,4,16,32,64"
@@ -244,6 +245,7 @@ class Target:
     name: str
     base_url: str  # e.g. http://127.0.0.1:8000/v1
     model: str | None = None
+    server_pids: list[int] = field(default_factory=list)  # whose CPU a level measures (+ tree)
 
 
 class Progress:
@@ -342,6 +344,9 @@ async def run_level(client, target: Target, args, level: float, deadline: float)
     stop_at = min(deadline, t0 + args.duration if args.duration is not None else math.inf)
     reqs = Requests(args, target.model, level, stop_at)
     label = f"rate {level:g}/s" if args.rate else f"concurrency {int(level)}"
+    server = TreeCPU(target.server_pids) if target.server_pids else None
+    server_before = server.snapshot() if server else None
+    client_before = time.process_time()
     progress = Progress(f"{target.name} {label}", reqs.limit, args.progress)
     records: list[Record] = []
 
@@ -356,7 +361,21 @@ async def run_level(client, target: Target, args, level: float, deadline: float)
             await closed_loop(client, target, reqs, int(level), on_done)
     finally:
         progress.close()
-    return summarize(records, time.perf_counter() - t0, level)
+    fig = summarize(records, time.perf_counter() - t0, level)
+    spent = TreeCPU.spent(server_before, server.snapshot()) if server else None
+    return {**fig, **cpu_figures(time.process_time() - client_before, spent, fig["output_tokens"])}
+
+
+def cpu_figures(client_s: float, server: dict[str, float] | None, tokens: int) -> dict:
+    """CPU seconds of the load generator (this process) and, when measured, of the server's
+    processes per label, with both per output token."""
+    per_token = (lambda s: 1e6 * s / tokens) if tokens else (lambda s: None)
+    out = {"client_cpu_s": client_s, "client_cpu_us_per_token": per_token(client_s)}
+    if server is not None:
+        total = sum(server.values())
+        out.update(server_cpu_s=total, server_cpu_us_per_token=per_token(total),
+                   server_cpu_by_process_s=server)  # fmt: skip
+    return out
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -420,8 +439,28 @@ def print_table(results: dict, args) -> None:
                 cells.append(f" {'-' if value is None else format(value, fmt):>{width}}")
             print(f"{name:<12} {fig['level']:>6g}" + "".join(cells))
     print("latencies in ms; ITL = gaps between chunks with text (a multi-token chunk is one gap)")
-    for line in ratio_lines(results, args):
+    for line in ratio_lines(results, args) + cpu_lines(results):
         print(line)
+
+
+def cpu_lines(results: dict, top: int = 4) -> list[str]:
+    """CPU per output token, level by level: the load generator's, and the server's with its
+    busiest processes where it was measured (--server-pid, and the peers this bench starts)."""
+    lines = []
+    for name, res in results.items():
+        for fig in res["levels"]:
+            client = fig.get("client_cpu_us_per_token")
+            if client is None:
+                continue
+            line = f"CPU per output token, {name} at {fig['level']:g}: client {client:.0f} us"
+            server = fig.get("server_cpu_us_per_token")
+            if server is not None:
+                tokens = fig["output_tokens"]
+                parts = [f"{1e6 * s / tokens:.0f} {label}" for label, s in
+                         list(fig["server_cpu_by_process_s"].items())[:top]]  # fmt: skip
+                line += f"; server {server:.0f} us ({'; '.join(parts)})"
+            lines.append(line)
+    return lines
 
 
 def ratio_lines(results: dict, args) -> list[str]:
@@ -566,7 +605,7 @@ async def bench_peer(name: str, args, deadline: float) -> dict:
                 "--token-ids / --ignore-eos to compare with it"
             )
         model = await asyncio.to_thread(peer.start)
-        target = Target(name, peer.base_url, model)
+        target = Target(name, peer.base_url, model, server_pids=peer.pids())
         log(f"{name}: {target.base_url} (model {model!r}, weights {args.peer_model_dir})")
         result = await bench_target(target, args, deadline)
     except PeerUnavailable as exc:
@@ -640,6 +679,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"an OpenAI-compatible base URL, repeatable (default {DEFAULT_TARGET})",
     )
     p.add_argument("--model", help="served model name (default: the first of GET {base}/models)")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        action="append",
+        metavar="PID",
+        help="a process of the server on this machine (Linux), repeatable: its CPU and its "
+        "descendants' is reported per output token, per level (use with one --target)",
+    )
     p.add_argument("--workload", type=Path, help="JSON file with workload keys (flags win)")
     add_workload_args(p)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.json")
@@ -772,8 +819,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.prompt_len = parse_length(args.prompt_len)
         args.output_len = parse_length(args.output_len)
         args.targets = [parse_target(t) for t in args.target or [DEFAULT_TARGET]]
+        for target in args.targets:
+            target.server_pids = list(args.server_pid or [])
     except ValueError as exc:
         parser.error(str(exc))
+    for pid in args.server_pid or []:
+        if not TreeCPU.exists(pid):
+            parser.error(f"--server-pid {pid}: no such process here (server CPU needs Linux /proc)")
     names = [t.name for t in args.targets] + args.peers
     if len(set(names)) != len(names):
         parser.error("--target names must differ (from each other and from --peers)")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -293,10 +295,11 @@ def test_sweep_against_the_app(sb, base_url, tmp_path, api):
         "--no-progress",
         f"--out={out}",
         f"--plot={tmp_path / api}",
+        f"--server-pid={os.getpid()}",  # the app serves from this process
     ]
     if api == "completions":
         argv.append("--token-ids")
-    sb.bench(sb.parse_args(argv))
+    body = sb.bench(sb.parse_args(argv))
 
     report = json.loads(out.read_text())
     assert {"date", "machine", "loadavg_start", "workload", "targets", "results"} <= set(report)
@@ -315,6 +318,15 @@ def test_sweep_against_the_app(sb, base_url, tmp_path, api):
                 assert all(lvl[f"{key}_p{q}_ms"] > 0 for q in (50, 90, 99))
             assert lvl["e2e_p99_ms"] >= lvl["e2e_p50_ms"] > 0
             assert lvl["output_tokens_per_s"] > 0 and lvl["requests_per_s"] > 0
+            # CPU per output token: the load generator's own, and the server's processes'
+            assert lvl["client_cpu_s"] > 0 and lvl["client_cpu_us_per_token"] > 0
+            assert lvl["server_cpu_us_per_token"] > 0
+            assert lvl["server_cpu_s"] == pytest.approx(
+                sum(lvl["server_cpu_by_process_s"].values())
+            )
+    lines = sb.cpu_lines(body["results"])
+    assert len(lines) == 4 and all(line.startswith("CPU per output token, ") for line in lines)
+    assert "client" in lines[0] and "server" in lines[0]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / f"{api}-throughput.png").exists()
         assert (tmp_path / f"{api}-latency.png").exists()
@@ -339,3 +351,29 @@ def test_replot_draws_a_saved_result_again_without_sending(sb, tmp_path, monkeyp
     assert drawn[-1][1] == tmp_path / "other"
     with pytest.raises(SystemExit):  # nothing to do: said, not silently ignored
         sb.main(["--replot", str(saved), "--no-plot"])
+
+
+def test_server_cpu_counts_a_process_tree_by_label(sb):
+    from proc_cpu import TreeCPU
+
+    burn = (
+        "#burn\nimport time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+    )
+    tree = TreeCPU([os.getpid()])  # this process and its descendants
+    before = tree.snapshot()
+    child = subprocess.Popen([sys.executable, "-c", burn + "\ntime.sleep(30)"])
+    try:
+        time.sleep(1.5)
+        spent = TreeCPU.spent(before, tree.snapshot())
+    finally:
+        child.kill()
+        child.wait()
+    label = next(label for label in spent if "#burn" in label)
+    assert label.startswith(sys.executable) and spent[label] >= 0.3
+    assert list(spent.values()) == sorted(spent.values(), reverse=True)
+    assert TreeCPU.exists(os.getpid()) and not TreeCPU.exists(2**22 + 7)
+
+
+def test_server_pid_must_exist(sb):
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--server-pid=4194311"])
