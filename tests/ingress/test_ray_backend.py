@@ -7,7 +7,13 @@ import asyncio
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from serve_app.ingress.backend import RayBackend
-from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest
+from serve_app.messages import (
+    ErrorKind,
+    Rejection,
+    ReplicaChunk,
+    TokenizedPrompt,
+    TokenizeRequest,
+)
 
 PROMPT = TokenizedPrompt(prompt_token_ids=[1, 2, 3], num_prompt_tokens=3)
 
@@ -186,3 +192,56 @@ def test_a_model_the_pool_does_not_serve_gets_the_pools_refusal():
     refused = asyncio.run(RayBackend(handle, {}).tokenize(req))
     assert isinstance(refused, Rejection) and refused.kind == ErrorKind.NOT_FOUND
     assert handle.calls == {"limits": 1, "tokenize": 1}
+
+
+class StreamingHandle:
+    """A replica deployment handle: counts how often a handle is re-made (`options`, a method
+    looked up); a streaming method's call yields one final chunk naming the method."""
+
+    def __init__(self, counts: dict, options: dict | None = None) -> None:
+        self.counts, self.opts = counts, options or {}
+
+    def options(self, **kwargs):
+        self.counts["options"] = self.counts.get("options", 0) + 1
+        return StreamingHandle(self.counts, {**self.opts, **kwargs})
+
+    def __getattr__(self, name):
+        self.counts["lookups"] = self.counts.get("lookups", 0) + 1
+        handle = self
+
+        class Method:
+            def remote(self, req):
+                assert handle.opts == {"stream": True}
+                request_id = getattr(req, "request", req).request_id
+
+                async def chunks():
+                    yield ReplicaChunk(request_id, [], [], finished=True, replica_id=name)
+
+                return chunks()
+
+        return Method()
+
+
+def test_streaming_handles_are_made_once_per_model_and_method():
+    from serve_app.engine.params import SamplingParams
+    from serve_app.messages import DecodeRequest, ReplicaRequest
+
+    counts = {}
+    backend = RayBackend(
+        PoolHandle(None),
+        {"demo": StreamingHandle(counts)},
+        decode={"demo": StreamingHandle(counts)},
+    )
+
+    async def run():
+        seen = []
+        for i in range(3):
+            req = ReplicaRequest(f"r{i}", [1, 2], SamplingParams(max_tokens=2))
+            seen += [c.replica_id async for c in backend.generate("demo", req)]
+            decode = DecodeRequest(req, first_token_id=5, transfer=None)
+            seen += [c.replica_id async for c in backend.decode("demo", decode)]
+        return seen
+
+    assert asyncio.run(run()) == ["generate", "decode"] * 3
+    # one streaming handle and one method lookup per (method, model), not per request
+    assert counts == {"options": 2, "lookups": 2}
