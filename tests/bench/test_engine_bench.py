@@ -4,7 +4,6 @@ and result protocol (against a stand-in `vllm` package), its skip path, and the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import textwrap
@@ -12,8 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 FAKE_VLLM = """
 __version__ = "0.0-fake"
@@ -45,13 +42,8 @@ class LLM:
 
 
 @pytest.fixture(scope="module")
-def eb():
-    if "bench_engine" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_engine", BENCH / "engine.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_engine"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_engine"]
+def eb(load_bench):
+    return load_bench("engine")
 
 
 def make_bench(eb, tmp_path):

@@ -19,7 +19,6 @@ import pytest
 
 from serve_app.config import load_config
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 CONFIG = {
     "BackendConfig": {
         "ModelDeployConfig": {
@@ -37,19 +36,9 @@ CONFIG = {
 }
 
 
-def load_serve_bench():
-    """bench/serve.py as a module (bench/ is not a package)."""
-    if "bench_serve" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_serve"] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules["bench_serve"]
-
-
 @pytest.fixture(scope="module")
-def sb():
-    return load_serve_bench()
+def sb(load_bench):
+    return load_bench("serve")
 
 
 @pytest.fixture(scope="module")

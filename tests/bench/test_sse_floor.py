@@ -3,24 +3,14 @@ bench/serve.py, and a live server (here, one of the stand-ins again) in the same
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def floor():
-    if "bench_sse_floor" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_sse_floor", BENCH / "sse_floor.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_sse_floor"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_sse_floor"]
+def floor(load_bench):
+    return load_bench("sse_floor")
 
 
 def test_both_stand_ins_and_a_live_server(floor, tmp_path, capsys):
