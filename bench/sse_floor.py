@@ -37,6 +37,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from common import RESULTS_DIR, Run, machine_info  # noqa: E402
+from peers import free_port  # noqa: E402
 
 MODEL = "demo"
 MODES = ("bare", "app")
@@ -139,7 +140,7 @@ class StandInBackend:
             last = i == count - 1
             choice = ChoiceDelta(index=0, token_ids=[5], text=" x", num_output_tokens=i + 1,
                                  finish_reason="length" if last else None)  # fmt: skip
-            step = StepInfo(batch_size=1, queue_wait_us=0.0, decode_time_ms=self.clock.step_s)
+            step = StepInfo(batch_size=1, queue_wait_us=0.0, decode_time_ms=self.clock.step_s * 1e3)
             yield ReplicaChunk(req.request_id, [choice], [step], finished=last, num_prompt_tokens=1)
 
     def watch_stop(self, key, event):
@@ -178,12 +179,6 @@ def serve(mode: str, port: int, step_s: float) -> None:
 
 
 # -- the runner ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(mode: str, step_ms: float) -> tuple[subprocess.Popen, str]:
