@@ -1,5 +1,6 @@
-"""No route's endpoint or dependency is a plain function: FastAPI runs those in a worker thread,
-a thread hop (and at times a new thread) for every request."""
+"""Per-request costs of the routes: no endpoint or dependency is a plain function (FastAPI runs
+those in a worker thread, a thread hop and at times a new thread for every request), and the
+busiest routes are matched first (every request is matched against the routes in order)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,11 @@ def test_every_endpoint_and_dependency_is_a_coroutine_function():
         if not inspect.iscoroutinefunction(call)
     ]
     assert plain == []
+
+
+def test_the_generation_routes_are_matched_first():
+    paths = [r.path for router in ROUTERS for r in router.routes if isinstance(r, APIRoute)]
+    first = paths.index("/v1/completions"), paths.index("/v1/chat/completions")
+    others = [i for i, path in enumerate(paths) if not path.startswith("/v1/")]
+    assert max(first) < min(others)
+    assert len(set(paths)) == len(paths)  # no path served twice: the order decides nothing else
