@@ -22,7 +22,7 @@ class TreeCPU:
     that starts during a level counts from zero, one that ends before its close is missed)."""
 
     def __init__(self, roots: list[int]) -> None:
-        if not PROC.is_dir():
+        if not self.available():
             raise RuntimeError("server CPU needs /proc (Linux)")
         self.roots = list(roots)
         self.tick = os.sysconf("SC_CLK_TCK")
@@ -41,6 +41,11 @@ class TreeCPU:
             out[pid] = (_label(pid), stats[pid][1] / self.tick)
             todo.extend(children.get(pid, ()))
         return out
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this machine shows processes' CPU times (Linux /proc)."""
+        return PROC.is_dir()
 
     @staticmethod
     def exists(pid: int) -> bool:

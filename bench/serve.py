@@ -605,7 +605,8 @@ async def bench_peer(name: str, args, deadline: float) -> dict:
                 "--token-ids / --ignore-eos to compare with it"
             )
         model = await asyncio.to_thread(peer.start)
-        target = Target(name, peer.base_url, model, server_pids=peer.pids())
+        pids = peer.pids() if TreeCPU.available() else []  # elsewhere: no server CPU figures
+        target = Target(name, peer.base_url, model, server_pids=pids)
         log(f"{name}: {target.base_url} (model {model!r}, weights {args.peer_model_dir})")
         result = await bench_target(target, args, deadline)
     except PeerUnavailable as exc:

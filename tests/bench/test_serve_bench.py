@@ -202,6 +202,7 @@ def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_th
     vllm = report["results"]["vllm"]
     assert vllm["levels"][0]["completed"] == 2 and vllm["levels"][0]["errors"] == 0
     assert vllm["model"] == "demo" and vllm["peer"]["weights"] == str(tmp_path)
+    assert vllm["levels"][0]["server_cpu_us_per_token"] > 0  # the peer's process, measured
     skipped = report["results"]["transformers"]
     assert skipped["levels"] == [] and skipped["skipped"] == [2]
     assert "takes no ignore_eos" in skipped["error"]
