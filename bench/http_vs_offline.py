@@ -1,0 +1,326 @@
+"""How much of the offline engine's throughput the server keeps over HTTP, measured in pairs.
+
+    .venv/bin/python bench/http_vs_offline.py                  # bench/demo.yaml, 3 pairs
+    .venv/bin/python bench/http_vs_offline.py --dtype float32 --pairs 5
+    .venv/bin/python bench/http_vs_offline.py --config my-deployments.yaml --concurrency 64
+
+Each pair measures the same workload twice, one after the other, with nothing else running:
+
+* over HTTP: the server started from `--config` (`python -m serve_app`, on a free port, every
+  model's dtype set to `--dtype` when given), `--concurrency` streaming `/v1/completions` of
+  bench/serve.py for `--duration` seconds (random token-id prompts, EOS ignored), with the CPU of
+  every process of the server's tree; then the server is stopped;
+* offline: bench/engine.py, our engine alone on the same model and dtype, `--concurrency`
+  requests of the same prompt and output lengths generated at once on every core (the median of
+  `--repeats` runs).
+
+The pairs alternate which comes first, and each pair's ratio compares measurements taken a
+minute apart: a machine whose speed drifts (a shared or thermally limited CPU) moves both. The
+result is the ratio of the means and each pair's ratio, a table and a JSON file. On a machine
+where the server's processes share the engine's cores, what HTTP keeps is what the serving path
+(ingress, model replica, Ray, the load generator itself) leaves of those cores: bench/serve.py's
+CPU per output token, in the JSON, says where it goes. Linux (/proc) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importable by a test
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from common import RESULTS_DIR, Run, log, machine_info  # noqa: E402
+from peers import free_port  # noqa: E402
+
+READY = "serve_app ready at"  # what `python -m serve_app` prints once every replica is up
+START_TIMEOUT_S = 600.0  # a first start builds the demo model into its cache
+STOP_TIMEOUT_S = 90.0
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+
+def server_config(spec: dict, port: int, dtype: str | None) -> dict:
+    """The Serve config `spec` with HTTP on `port` and, if given, every model in `dtype`."""
+    spec = copy.deepcopy(spec)
+    spec["http_options"] = {**(spec.get("http_options") or {}), "port": port}
+    if dtype is not None:
+        for model in models_of(spec):
+            model["dtype"] = dtype
+    return spec
+
+
+def models_of(spec: dict) -> list[dict]:
+    """Every ModelConfig entry of every application of a Serve config."""
+    out = []
+    for app in spec.get("applications") or []:
+        backend = (app.get("args") or {}).get("BackendConfig") or {}
+        out.extend((backend.get("ModelDeployConfig") or {}).get("ModelConfig") or [])
+    return out
+
+
+def first_model(spec: dict) -> tuple[str, str, str]:
+    """(modelName, modelWeightPath, dtype) of the config's first model."""
+    models = models_of(spec)
+    if not models:
+        raise SystemExit("the config has no BackendConfig.ModelDeployConfig.ModelConfig entry")
+    model = models[0]
+    return model["modelName"], model["modelWeightPath"], model.get("dtype", "auto")
+
+
+def resolved_dtype(name: str) -> str:
+    """A config's dtype as the engine resolves it on this machine's CPU ("auto": bfloat16
+    where the CPU has bfloat16 arithmetic)."""
+    import torch
+
+    from serve_app.engine.device import pick_dtype
+
+    return str(pick_dtype(name, torch.device("cpu"))).removeprefix("torch.")
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str  # the OpenAI base URL
+    log_path: Path
+
+
+def server_command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "serve_app", str(config)]
+
+
+def start_server(config: Path, port: int, log_path: Path, timeout_s: float) -> Server:
+    """The server of `config` in a session of its own, once it says it is ready and answers."""
+    out = log_path.open("wb")
+    process = subprocess.Popen(
+        server_command(config), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    out.close()
+    server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"the server exited with {process.returncode} before it was ready; "
+                f"the end of its output ({log_path}):\n{tail(log_path)}"
+            )
+        if READY in log_path.read_text(errors="replace") and answers(server.url):
+            return server
+        time.sleep(1.0)
+    stop_server(server)
+    raise RuntimeError(f"the server was not ready within {timeout_s:g} s:\n{tail(log_path)}")
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/models", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop_server(server: Server) -> None:
+    """SIGTERM (the server stops its app and the Ray instance it started), then SIGKILL to its
+    whole session if it has not exited in time."""
+    process = server.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log(f"the server did not stop within {STOP_TIMEOUT_S:g} s: killing its session")
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+# -- the two measurements -----------------------------------------------------------------------
+
+
+def measure_http(server: Server, model: str, args, out: Path) -> dict:
+    """bench/serve.py at `--concurrency` streams against the server: the level's figures."""
+    import serve as load  # bench/serve.py
+
+    argv = [f"--target=ours={server.url}", f"--model={model}", f"--server-pid={server.process.pid}",
+            "--token-ids", "--ignore-eos", f"--prompt-len={args.prompt_len}",
+            f"--output-len={args.output_len}", f"--concurrency={args.concurrency}",
+            f"--duration={args.duration}", "--no-plot", "--no-progress",
+            f"--out={out}"]  # fmt: skip
+    return load.bench(load.parse_args(argv))["results"]["ours"]["levels"][0]
+
+
+def offline_command(weights: str, dtype: str, args, out: Path) -> list[str]:
+    return [sys.executable, str(HERE / "engine.py"), f"--model={weights}", f"--dtype={dtype}",
+            f"--requests={args.concurrency}", f"--prompt-len={args.prompt_len}",
+            f"--output-len={args.output_len}", f"--repeats={args.repeats}", "--one-at-a-time=1",
+            "--hf-budget=0", f"--out={out}"]  # fmt: skip
+
+
+def measure_offline(weights: str, dtype: str, args, out: Path) -> dict:
+    """bench/engine.py, our engine only, in a process of its own: its figures in `dtype`."""
+    done = subprocess.run(offline_command(weights, dtype, args, out), cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/engine.py exited with {done.returncode}")
+    return offline_figures(json.loads(out.read_text()), dtype)
+
+
+def offline_figures(report: dict, dtype: str) -> dict:
+    ours = report["results"][dtype]["systems"]["ours"]
+    return {"output_tokens_per_s": ours["tokens_per_s"], "runs_s": ours.get("runs_s")}
+
+
+# -- the pairs ----------------------------------------------------------------------------------
+
+
+def order(pair: int) -> tuple[str, str]:
+    """Which measurement comes first in pair `pair` (0-based): alternating, HTTP first."""
+    return ("http", "offline") if pair % 2 == 0 else ("offline", "http")
+
+
+def summarize(pairs: list[dict]) -> dict:
+    http = [p["http_tok_s"] for p in pairs]
+    offline = [p["offline_tok_s"] for p in pairs]
+    ratios = [p["ratio"] for p in pairs]
+    return {
+        "pairs": len(pairs),
+        "http_mean_tok_s": statistics.fmean(http),
+        "offline_mean_tok_s": statistics.fmean(offline),
+        "ratio_of_means": statistics.fmean(http) / statistics.fmean(offline),
+        "pair_ratio_min": min(ratios),
+        "pair_ratio_max": max(ratios),
+    }
+
+
+def run(args) -> dict:
+    spec = yaml.safe_load(args.config.read_text(encoding="utf-8")) or {}
+    model, weights, config_dtype = first_model(spec)
+    dtype = args.dtype or resolved_dtype(config_dtype)
+    record = Run.begin(machine_info(("ray", "torch", "aiohttp"), client="bench/serve.py"))
+    pairs = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for i in range(args.pairs):
+            pair = {"order": list(order(i))}
+            for what in order(i):
+                if what == "http":
+                    port = free_port()
+                    config = tmp / f"serve-{i}.yaml"
+                    config.write_text(yaml.safe_dump(server_config(spec, port, dtype)))
+                    log(f"pair {i + 1}: starting the server on port {port} ...")
+                    server = start_server(config, port, tmp / f"server-{i}.log", args.start_timeout)
+                    try:
+                        pair["http"] = measure_http(server, model, args, tmp / f"http-{i}.json")
+                    finally:
+                        stop_server(server)
+                    time.sleep(args.settle)  # Ray's processes gone, the cores quiet again
+                else:
+                    log(f"pair {i + 1}: the offline engine ...")
+                    offline = measure_offline(weights, dtype, args, tmp / f"offline-{i}.json")
+                    pair["offline"] = offline
+            pair["http_tok_s"] = pair["http"]["output_tokens_per_s"]
+            pair["offline_tok_s"] = pair["offline"]["output_tokens_per_s"]
+            pair["ratio"] = pair["http_tok_s"] / pair["offline_tok_s"]
+            log(f"pair {i + 1}: HTTP {pair['http_tok_s']:.1f} tok/s, offline "
+                f"{pair['offline_tok_s']:.1f}: {100 * pair['ratio']:.0f} %")  # fmt: skip
+            pairs.append(pair)
+    summary = summarize(pairs)
+    print_table(pairs, summary)
+    workload = {
+        "config": str(args.config),
+        "model": model,
+        "dtype": dtype,
+        "concurrency": args.concurrency,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "duration_s": args.duration,
+        "offline_repeats": args.repeats,
+    }
+    record.write(args.out, workload=workload, pairs=pairs, summary=summary)
+    return {"pairs": pairs, "summary": summary}
+
+
+def print_table(pairs: list[dict], summary: dict) -> None:
+    row = "{:<6} {:<8} {:>11} {:>14} {:>13}"
+    print("\n" + row.format("pair", "first", "HTTP tok/s", "offline tok/s", "HTTP/offline"))
+    for i, p in enumerate(pairs, 1):
+        ratio = f"{100 * p['ratio']:.1f}%"
+        print(
+            row.format(
+                i, p["order"][0], f"{p['http_tok_s']:.1f}", f"{p['offline_tok_s']:.1f}", ratio
+            )
+        )
+    s = summary
+    means = (f"{s['http_mean_tok_s']:.1f}", f"{s['offline_mean_tok_s']:.1f}",
+             f"{100 * s['ratio_of_means']:.1f}%")  # fmt: skip
+    spread = f"  (pairs {100 * s['pair_ratio_min']:.0f}-{100 * s['pair_ratio_max']:.0f} %)"
+    print(row.format("mean", "", *means) + spread)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", type=Path, default=HERE / "demo.yaml",
+                   help="the Serve config to start (default bench/demo.yaml)")  # fmt: skip
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="every model's dtype, and the offline engine's (default: the config's, "
+                   "auto resolved as the engine does)")  # fmt: skip
+    p.add_argument("--pairs", type=int, default=3, help="HTTP / offline pairs (default 3)")
+    p.add_argument("--concurrency", type=int, default=32,
+                   help="streams over HTTP, requests at once offline (default 32)")  # fmt: skip
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--duration", type=float, default=40.0, help="seconds over HTTP per pair")
+    p.add_argument("--repeats", type=int, default=3, help="offline runs per pair (the median)")
+    p.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
+                   help="seconds the server may take to be ready")  # fmt: skip
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds of quiet after the server stops")  # fmt: skip
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "http-vs-offline.json")
+    args = p.parse_args(argv)
+    if not args.config.is_file():
+        p.error(f"--config {args.config}: no such file")
+    positive = (args.pairs, args.concurrency, args.prompt_len, args.output_len, args.repeats)
+    if min(positive) < 1 or args.duration <= 0:
+        p.error("--pairs, --concurrency, --prompt-len, --output-len, --repeats and --duration "
+                "must be positive")  # fmt: skip
+    if args.settle < 0 or args.start_timeout <= 0:
+        p.error("--settle must be >= 0 and --start-timeout positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(parse_args(argv))
+    except RuntimeError as exc:
+        print(f"http_vs_offline: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""bench/http_vs_offline.py: the pairs run end to end against stand-ins (a server process that
+says it is ready and streams like ours, an offline run that writes bench/engine.py's report),
+and the pieces a real run relies on: the server's config, the order, the summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+
+@pytest.fixture(scope="module")
+def hvo(load_bench):
+    return load_bench("http_vs_offline")
+
+
+SPEC = {
+    "proxy_location": "HeadOnly",
+    "http_options": {"host": "127.0.0.1", "port": 8000},
+    "applications": [
+        {
+            "name": "serve_app",
+            "args": {
+                "BackendConfig": {
+                    "ModelDeployConfig": {
+                        "ModelConfig": [
+                            {"modelName": "demo", "modelWeightPath": "demo"},
+                            {"modelName": "other", "modelWeightPath": "/w", "dtype": "auto"},
+                        ]
+                    }
+                }
+            },
+        }
+    ],
+}
+
+
+def stand_in_server(tmp_path, monkeypatch, hvo, body: str):
+    """Makes the bench start `body` (a Python script given the config's path) as the server."""
+    script = tmp_path / "stand_in_server.py"
+    script.write_text(textwrap.dedent(body))
+    command = [sys.executable, str(script)]
+    monkeypatch.setattr(hvo, "server_command", lambda config: [*command, str(config)])
+
+
+def test_pairs_end_to_end(hvo, tmp_path, monkeypatch, capsys):
+    # the server: bench/sse_floor.py's bare SSE app on the config's port, ready as ours says
+    stand_in_server(
+        tmp_path,
+        monkeypatch,
+        hvo,
+        f"""
+        import sys, yaml
+        sys.path.insert(0, {str(hvo.HERE)!r})
+        import sse_floor
+        port = yaml.safe_load(open(sys.argv[1]))["http_options"]["port"]
+        print("{hvo.READY} http://127.0.0.1:%d" % port, flush=True)
+        sse_floor.serve("bare", port, 0.005)
+    """,
+    )
+    # offline: bench/engine.py's report, with the figure growing from run to run
+    runs = tmp_path / "runs"
+    fake_engine = f"""
+        import json, pathlib, sys
+        runs = pathlib.Path({str(runs)!r}); runs.mkdir(exist_ok=True)
+        n = len(list(runs.iterdir())); (runs / str(n)).touch()
+        out = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")][0]
+        ours = {{"tokens_per_s": 1000.0 + 100 * n, "runs_s": [1.0]}}
+        report = {{"results": {{"float32": {{"systems": {{"ours": ours}}}}}}}}
+        pathlib.Path(out).write_text(json.dumps(report))
+    """
+    engine = tmp_path / "fake_engine.py"
+    engine.write_text(textwrap.dedent(fake_engine))
+    seen = []
+
+    def offline_command(weights, dtype, args, out):
+        seen.append((weights, dtype, args.concurrency, args.prompt_len, args.output_len))
+        return [sys.executable, str(engine), f"--out={out}"]
+
+    monkeypatch.setattr(hvo, "offline_command", offline_command)
+    config = tmp_path / "demo.yaml"
+    config.write_text(yaml.safe_dump(SPEC))
+    out = tmp_path / "hvo.json"
+    argv = [f"--config={config}", "--dtype=float32", "--pairs=2", "--concurrency=2",
+            "--prompt-len=1", "--output-len=4", "--duration=1.5", "--repeats=1", "--settle=0",
+            f"--out={out}"]  # fmt: skip
+    assert hvo.main(argv) == 0
+
+    assert seen == [("demo", "float32", 2, 1, 4)] * 2  # the config's first model, same workload
+    report = json.loads(out.read_text())
+    assert report["workload"]["dtype"] == "float32" and report["workload"]["model"] == "demo"
+    pairs = report["pairs"]
+    assert [p["order"] for p in pairs] == [["http", "offline"], ["offline", "http"]]
+    assert [p["offline_tok_s"] for p in pairs] == [1000.0, 1100.0]
+    for p in pairs:
+        http = p["http"]
+        assert http["errors"] == 0, http["error_samples"]
+        assert http["completed"] >= 2 and http["output_tokens"] == 4 * http["completed"]
+        assert http["server_cpu_us_per_token"] > 0  # the server's process tree, measured
+        assert p["ratio"] == pytest.approx(p["http_tok_s"] / p["offline_tok_s"])
+    summary = report["summary"]
+    mean_http = sum(p["http_tok_s"] for p in pairs) / 2
+    assert summary["ratio_of_means"] == pytest.approx(mean_http / 1050.0)
+    assert summary["pair_ratio_min"] <= summary["ratio_of_means"] <= summary["pair_ratio_max"]
+    table = capsys.readouterr().out
+    assert "HTTP/offline" in table and "\nmean " in table
+
+
+def test_a_server_that_fails_to_start_is_reported(hvo, tmp_path, monkeypatch, capsys):
+    stand_in_server(
+        tmp_path,
+        monkeypatch,
+        hvo,
+        """
+        import sys
+        print("model folder not found: /nowhere", flush=True)
+        sys.exit(3)
+    """,
+    )
+    config = tmp_path / "demo.yaml"
+    config.write_text(yaml.safe_dump(SPEC))
+    argv = [f"--config={config}", "--dtype=float32", "--pairs=1", f"--out={tmp_path / 'x.json'}"]
+    assert hvo.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "exited with 3 before it was ready" in err and "model folder not found" in err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_server_config(hvo):
+    spec = hvo.server_config(SPEC, 41234, "bfloat16")
+    assert spec["http_options"] == {"host": "127.0.0.1", "port": 41234}
+    assert [m["dtype"] for m in hvo.models_of(spec)] == ["bfloat16", "bfloat16"]
+    assert "dtype" not in hvo.models_of(SPEC)[0]  # the user's config is left as it was
+    assert hvo.server_config(SPEC, 1, None)["applications"] == SPEC["applications"]
+    assert hvo.server_config({"applications": []}, 5, None)["http_options"] == {"port": 5}
+    assert hvo.first_model(SPEC) == ("demo", "demo", "auto")
+    with pytest.raises(SystemExit):
+        hvo.first_model({"applications": [{"args": {}}]})
+    assert hvo.resolved_dtype("float32") == "float32"
+    assert hvo.resolved_dtype("auto") in ("float32", "bfloat16")
+
+
+def test_order_and_summary(hvo):
+    assert [hvo.order(i)[0] for i in range(4)] == ["http", "offline", "http", "offline"]
+    pairs = [{"http_tok_s": 80.0, "offline_tok_s": 100.0, "ratio": 0.8},
+             {"http_tok_s": 90.0, "offline_tok_s": 100.0, "ratio": 0.9}]  # fmt: skip
+    summary = hvo.summarize(pairs)
+    assert summary["ratio_of_means"] == pytest.approx(0.85)
+    assert (summary["pair_ratio_min"], summary["pair_ratio_max"]) == (0.8, 0.9)
+
+
+def test_arguments(hvo, tmp_path):
+    args = hvo.parse_args([])
+    assert args.config.name == "demo.yaml" and args.pairs == 3 and args.concurrency == 32
+    for bad in (["--pairs=0"], ["--duration=0"], ["--concurrency=0"], ["--settle=-1"],
+                [f"--config={tmp_path / 'missing.yaml'}"], ["--dtype=int8"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            hvo.parse_args(bad)
