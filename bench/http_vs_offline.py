@@ -25,6 +25,7 @@ CPU per output token, in the JSON, says where it goes. Linux (/proc) only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -138,17 +139,38 @@ def answers(url: str) -> bool:
 
 
 def stop_server(server: Server) -> None:
-    """SIGTERM (the server stops its app and the Ray instance it started), then SIGKILL to its
-    whole session if it has not exited in time."""
+    """SIGTERM (the server stops its app and the Ray instance it started), then waits until
+    every process of its session is gone (Ray's workers and the engine processes end after it);
+    SIGKILL to those left when it has not stopped in time."""
     process = server.process
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=STOP_TIMEOUT_S)
+    while (left := session_processes(process.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if process.poll() is None or left:
+        log(f"the server did not stop within {STOP_TIMEOUT_S:g} s: killing what is left of it")
+        for pid in [process.pid, *left]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
+
+
+def session_processes(session: int) -> list[int]:
+    """The processes of a session (its leader's pid) still running, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log(f"the server did not stop within {STOP_TIMEOUT_S:g} s: killing its session")
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -295,10 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--duration", type=float, default=40.0, help="seconds over HTTP per pair")
-    p.add_argument("--repeats", type=int, default=3, help="offline runs per pair (the median)")
+    p.add_argument("--repeats", type=int, default=5, help="offline runs per pair (the median)")
     p.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
                    help="seconds the server may take to be ready")  # fmt: skip
-    p.add_argument("--settle", type=float, default=3.0,
+    p.add_argument("--settle", type=float, default=10.0,
                    help="seconds of quiet after the server stops")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "http-vs-offline.json")
     args = p.parse_args(argv)
