@@ -159,3 +159,28 @@ def test_arguments(hvo, tmp_path):
                 [f"--config={tmp_path / 'missing.yaml'}"], ["--dtype=int8"]):  # fmt: skip
         with pytest.raises(SystemExit):
             hvo.parse_args(bad)
+
+
+def test_stopping_waits_for_the_whole_session(hvo, tmp_path, monkeypatch):
+    """Ray's processes outlive the server's own for a while: the offline run must not start
+    beside them; what is still there when the stop's time is up is killed."""
+    import subprocess
+    import time
+
+    monkeypatch.setattr(hvo, "STOP_TIMEOUT_S", 3.0)
+    for lasts in (1.5, 60.0):  # a child of the server's that ends soon after it, or never
+        server = textwrap.dedent(f"""
+            import subprocess, sys, time
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep({lasts})"])
+            time.sleep(60)
+        """)
+        process = subprocess.Popen([sys.executable, "-c", server], start_new_session=True)
+        deadline = time.monotonic() + 10
+        while len(hvo.session_processes(process.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(hvo.session_processes(process.pid)) == 2
+        start = time.monotonic()
+        hvo.stop_server(hvo.Server(process, "http://127.0.0.1:1/v1", tmp_path / "log"))
+        took = time.monotonic() - start
+        assert hvo.session_processes(process.pid) == []
+        assert (0.5 < took < 3.0) if lasts < 3 else (3.0 <= took < 6.0), (lasts, took)
