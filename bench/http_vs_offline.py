@@ -108,14 +108,18 @@ def server_command(config: Path) -> list[str]:
 
 
 def start_server(config: Path, port: int, log_path: Path, timeout_s: float) -> Server:
-    """The server of `config` in a session of its own, once it says it is ready and answers."""
+    """The server of `config` in a session of its own, once it says it is ready and answers
+    (on the config's host, or 127.0.0.1 where it listens on every address)."""
+    host = (yaml.safe_load(config.read_text()).get("http_options") or {}).get("host")
+    host = "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
     out = log_path.open("wb")
     process = subprocess.Popen(
         server_command(config), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
     out.close()
-    server = Server(process, f"http://127.0.0.1:{port}/v1", log_path)
+    server = Server(process, f"http://{host}:{port}/v1", log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
