@@ -160,6 +160,9 @@ def stop_server(server: Server) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         process.wait()
+        deadline = time.monotonic() + 10.0  # a killed process takes a moment to be gone
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def session_processes(session: int) -> list[int]:
