@@ -230,10 +230,33 @@ def order(pair: int) -> tuple[str, str]:
     return ("http", "offline") if pair % 2 == 0 else ("offline", "http")
 
 
+def cpu_split(http: dict) -> dict | None:
+    """Where an HTTP run's CPU went per output token: the server's busiest process (the engine
+    process, where the engine has one), the rest of the server and the load generator, and the
+    busiest's share of all three: about what HTTP keeps of the offline engine where they all
+    share the engine's cores. None without the server's CPU figures."""
+    by_process, tokens = http.get("server_cpu_by_process_s"), http.get("output_tokens")
+    if not by_process or not tokens:
+        return None
+    label, busiest = max(by_process.items(), key=lambda item: item[1])
+    per_token = 1e6 / tokens
+    busiest_us = busiest * per_token
+    rest_us = (sum(by_process.values()) - busiest) * per_token
+    client_us = http["client_cpu_s"] * per_token
+    return {
+        "busiest_process": label,
+        "busiest_us": busiest_us,
+        "rest_of_server_us": rest_us,
+        "client_us": client_us,
+        "busiest_share": busiest_us / (busiest_us + rest_us + client_us),
+    }
+
+
 def summarize(pairs: list[dict]) -> dict:
     http = [p["http_tok_s"] for p in pairs]
     offline = [p["offline_tok_s"] for p in pairs]
     ratios = [p["ratio"] for p in pairs]
+    shares = [p["cpu_us_per_token"]["busiest_share"] for p in pairs if p.get("cpu_us_per_token")]
     return {
         "pairs": len(pairs),
         "http_mean_tok_s": statistics.fmean(http),
@@ -241,6 +264,7 @@ def summarize(pairs: list[dict]) -> dict:
         "ratio_of_means": statistics.fmean(http) / statistics.fmean(offline),
         "pair_ratio_min": min(ratios),
         "pair_ratio_max": max(ratios),
+        "busiest_share_mean": statistics.fmean(shares) if shares else None,
     }
 
 
@@ -273,6 +297,7 @@ def run(args) -> dict:
             pair["http_tok_s"] = pair["http"]["output_tokens_per_s"]
             pair["offline_tok_s"] = pair["offline"]["output_tokens_per_s"]
             pair["ratio"] = pair["http_tok_s"] / pair["offline_tok_s"]
+            pair["cpu_us_per_token"] = cpu_split(pair["http"])
             log(f"pair {i + 1}: HTTP {pair['http_tok_s']:.1f} tok/s, offline "
                 f"{pair['offline_tok_s']:.1f}: {100 * pair['ratio']:.0f} %")  # fmt: skip
             pairs.append(pair)
@@ -293,20 +318,28 @@ def run(args) -> dict:
 
 
 def print_table(pairs: list[dict], summary: dict) -> None:
-    row = "{:<6} {:<8} {:>11} {:>14} {:>13}"
-    print("\n" + row.format("pair", "first", "HTTP tok/s", "offline tok/s", "HTTP/offline"))
+    row = "{:<5} {:<8} {:>10} {:>13} {:>12}  {:>8} {:>7} {:>7} {:>6}"
+    heads = ("pair", "first", "HTTP tok/s", "offline tok/s", "HTTP/offline",
+             "busiest", "rest", "client", "share")  # fmt: skip
+    print("\n" + row.format(*heads))
     for i, p in enumerate(pairs, 1):
+        cpu = p.get("cpu_us_per_token")
+        cpus = ("-",) * 4
+        if cpu:
+            cpus = (f"{cpu['busiest_us']:.0f}", f"{cpu['rest_of_server_us']:.0f}",
+                    f"{cpu['client_us']:.0f}", f"{100 * cpu['busiest_share']:.1f}%")  # fmt: skip
         ratio = f"{100 * p['ratio']:.1f}%"
-        print(
-            row.format(
-                i, p["order"][0], f"{p['http_tok_s']:.1f}", f"{p['offline_tok_s']:.1f}", ratio
-            )
-        )
+        figures = (f"{p['http_tok_s']:.1f}", f"{p['offline_tok_s']:.1f}", ratio)
+        print(row.format(i, p["order"][0], *figures, *cpus))
     s = summary
     means = (f"{s['http_mean_tok_s']:.1f}", f"{s['offline_mean_tok_s']:.1f}",
              f"{100 * s['ratio_of_means']:.1f}%")  # fmt: skip
-    spread = f"  (pairs {100 * s['pair_ratio_min']:.0f}-{100 * s['pair_ratio_max']:.0f} %)"
-    print(row.format("mean", "", *means) + spread)
+    share = "-" if s["busiest_share_mean"] is None else f"{100 * s['busiest_share_mean']:.1f}%"
+    print(row.format("mean", "", *means, "", "", "", share))
+    spread = f"{100 * s['pair_ratio_min']:.0f}-{100 * s['pair_ratio_max']:.0f} %"
+    print(f"pairs' HTTP/offline {spread}; CPU per output token over HTTP (us): the server's "
+          "busiest process (its engine's), the rest of the server, the load generator, and "
+          "the busiest's share of the three")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -101,12 +101,18 @@ def test_pairs_end_to_end(hvo, tmp_path, monkeypatch, capsys):
         assert http["completed"] >= 2 and http["output_tokens"] == 4 * http["completed"]
         assert http["server_cpu_us_per_token"] > 0  # the server's process tree, measured
         assert p["ratio"] == pytest.approx(p["http_tok_s"] / p["offline_tok_s"])
+        cpu = p["cpu_us_per_token"]  # the stand-in server is one process: the busiest
+        assert cpu["busiest_us"] == pytest.approx(http["server_cpu_us_per_token"])
+        assert cpu["rest_of_server_us"] == 0 and cpu["client_us"] > 0
+        assert 0 < cpu["busiest_share"] < 1
     summary = report["summary"]
     mean_http = sum(p["http_tok_s"] for p in pairs) / 2
     assert summary["ratio_of_means"] == pytest.approx(mean_http / 1050.0)
     assert summary["pair_ratio_min"] <= summary["ratio_of_means"] <= summary["pair_ratio_max"]
+    shares = [p["cpu_us_per_token"]["busiest_share"] for p in pairs]
+    assert summary["busiest_share_mean"] == pytest.approx(sum(shares) / 2)
     table = capsys.readouterr().out
-    assert "HTTP/offline" in table and "\nmean " in table
+    assert "HTTP/offline" in table and "share" in table and "\nmean " in table
 
 
 def test_a_server_that_fails_to_start_is_reported(hvo, tmp_path, monkeypatch, capsys):
@@ -143,6 +149,17 @@ def test_server_config(hvo):
     assert hvo.resolved_dtype("auto") in ("float32", "bfloat16")
 
 
+def test_cpu_split(hvo):
+    by_process = {"engine": 1.0, "ingress": 0.08, "replica": 0.07}
+    http = {"output_tokens": 1000, "client_cpu_s": 0.05, "server_cpu_by_process_s": by_process}
+    cpu = hvo.cpu_split(http)
+    assert cpu["busiest_process"] == "engine" and cpu["busiest_us"] == pytest.approx(1000)
+    assert cpu["rest_of_server_us"] == pytest.approx(150) and cpu["client_us"] == pytest.approx(50)
+    assert cpu["busiest_share"] == pytest.approx(1000 / 1200)
+    assert hvo.cpu_split({"output_tokens": 10, "client_cpu_s": 0.1}) is None  # no server CPU
+    assert hvo.cpu_split({**http, "output_tokens": 0}) is None
+
+
 def test_order_and_summary(hvo):
     assert [hvo.order(i)[0] for i in range(4)] == ["http", "offline", "http", "offline"]
     pairs = [{"http_tok_s": 80.0, "offline_tok_s": 100.0, "ratio": 0.8},
@@ -150,6 +167,7 @@ def test_order_and_summary(hvo):
     summary = hvo.summarize(pairs)
     assert summary["ratio_of_means"] == pytest.approx(0.85)
     assert (summary["pair_ratio_min"], summary["pair_ratio_max"]) == (0.8, 0.9)
+    assert summary["busiest_share_mean"] is None  # no CPU figures
 
 
 def test_arguments(hvo, tmp_path):
