@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import http.client
 import json
 import os
 import signal
@@ -47,7 +48,7 @@ for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importa
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from common import RESULTS_DIR, Run, log, machine_info  # noqa: E402
+from common import RESULTS_DIR, VOCAB_REGULAR, Run, log, machine_info  # noqa: E402
 from peers import free_port  # noqa: E402
 
 READY = "serve_app ready at"  # what `python -m serve_app` prints once every replica is up
@@ -113,32 +114,34 @@ def start_server(config: Path, port: int, log_path: Path, timeout_s: float) -> S
     host = (yaml.safe_load(config.read_text()).get("http_options") or {}).get("host")
     host = "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host
     host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
-    out = log_path.open("wb")
-    process = subprocess.Popen(
-        server_command(config), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    out.close()
+    with log_path.open("wb") as out:
+        process = subprocess.Popen(
+            server_command(config), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
     server = Server(process, f"http://{host}:{port}/v1", log_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"the server exited with {process.returncode} before it was ready; "
-                f"the end of its output ({log_path}):\n{tail(log_path)}"
-            )
-        if READY in log_path.read_text(errors="replace") and answers(server.url):
-            return server
-        time.sleep(1.0)
-    stop_server(server)
-    raise RuntimeError(f"the server was not ready within {timeout_s:g} s:\n{tail(log_path)}")
+    try:  # the server has a session of its own: Ctrl-C here does not reach it
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited with {process.returncode} before it was ready; "
+                    f"the end of its output ({log_path}):\n{tail(log_path)}"
+                )
+            if READY in log_path.read_text(errors="replace") and answers(server.url):
+                return server
+            time.sleep(1.0)
+        raise RuntimeError(f"the server was not ready within {timeout_s:g} s:\n{tail(log_path)}")
+    except BaseException:
+        stop_server(server)
+        raise
 
 
 def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/models", timeout=5) as response:
             return response.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 
@@ -156,13 +159,17 @@ def stop_server(server: Server) -> None:
         time.sleep(0.5)
     if process.poll() is None or left:
         log(f"the server did not stop within {STOP_TIMEOUT_S:g} s: killing what is left of it")
-        for pid in [process.pid, *left]:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            process.kill()
         process.wait()
         deadline = time.monotonic() + 10.0  # a killed process takes a moment to be gone
-        while session_processes(process.pid) and time.monotonic() < deadline:
+        while (left := session_processes(process.pid)) and time.monotonic() < deadline:
+            for pid in left:  # scanned again each time: none started since is missed
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
+        if left:
+            raise RuntimeError(f"processes {left} of the stopped server would not end")
 
 
 def session_processes(session: int) -> list[int]:
@@ -190,13 +197,14 @@ def tail(path: Path, lines: int = 20) -> str:
 # -- the two measurements -----------------------------------------------------------------------
 
 
-def measure_http(server: Server, model: str, args, out: Path) -> dict:
+def measure_http(server: Server, model: str, vocab: int, args, out: Path) -> dict:
     """bench/serve.py at `--concurrency` streams against the server: the level's figures."""
     import serve as load  # bench/serve.py
 
     argv = [f"--target=ours={server.url}", f"--model={model}", f"--server-pid={server.process.pid}",
-            "--token-ids", "--ignore-eos", f"--prompt-len={args.prompt_len}",
-            f"--output-len={args.output_len}", f"--concurrency={args.concurrency}",
+            "--token-ids", f"--vocab-size={vocab}", "--ignore-eos",
+            f"--prompt-len={args.prompt_len}", f"--output-len={args.output_len}",
+            f"--concurrency={args.concurrency}",
             f"--duration={args.duration}", "--no-plot", "--no-progress",
             f"--out={out}"]  # fmt: skip
     return load.bench(load.parse_args(argv))["results"]["ours"]["levels"][0]
@@ -234,7 +242,9 @@ def cpu_split(http: dict) -> dict | None:
     """Where an HTTP run's CPU went per output token: the server's busiest process (the engine
     process, where the engine has one), the rest of the server and the load generator, and the
     busiest's share of all three: about what HTTP keeps of the offline engine where they all
-    share the engine's cores. None without the server's CPU figures."""
+    share the engine's cores. Processes are told apart by bench/proc_cpu.py's labels (the start
+    of a command line): two engine processes of one command are one "process" here. None
+    without the server's CPU figures."""
     by_process, tokens = http.get("server_cpu_by_process_s"), http.get("output_tokens")
     if not by_process or not tokens:
         return None
@@ -268,41 +278,21 @@ def summarize(pairs: list[dict]) -> dict:
     }
 
 
+def prompt_vocab(weights: str) -> int:
+    """The prompt ids' bound, as bench/engine.py draws them: the demo tokenizer's regular
+    tokens, or the model's vocabulary where that is smaller."""
+    from serve_app.models.loader import resolve_model_path
+
+    config = json.loads((resolve_model_path(weights) / "config.json").read_text())
+    return min(config["vocab_size"], VOCAB_REGULAR)
+
+
 def run(args) -> dict:
     spec = yaml.safe_load(args.config.read_text(encoding="utf-8")) or {}
     model, weights, config_dtype = first_model(spec)
     dtype = args.dtype or resolved_dtype(config_dtype)
+    vocab = prompt_vocab(weights)
     record = Run.begin(machine_info(("ray", "torch", "aiohttp"), client="bench/serve.py"))
-    pairs = []
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        for i in range(args.pairs):
-            pair = {"order": list(order(i))}
-            for what in order(i):
-                if what == "http":
-                    port = free_port()
-                    config = tmp / f"serve-{i}.yaml"
-                    config.write_text(yaml.safe_dump(server_config(spec, port, dtype)))
-                    log(f"pair {i + 1}: starting the server on port {port} ...")
-                    server = start_server(config, port, tmp / f"server-{i}.log", args.start_timeout)
-                    try:
-                        pair["http"] = measure_http(server, model, args, tmp / f"http-{i}.json")
-                    finally:
-                        stop_server(server)
-                    time.sleep(args.settle)  # Ray's processes gone, the cores quiet again
-                else:
-                    log(f"pair {i + 1}: the offline engine ...")
-                    offline = measure_offline(weights, dtype, args, tmp / f"offline-{i}.json")
-                    pair["offline"] = offline
-            pair["http_tok_s"] = pair["http"]["output_tokens_per_s"]
-            pair["offline_tok_s"] = pair["offline"]["output_tokens_per_s"]
-            pair["ratio"] = pair["http_tok_s"] / pair["offline_tok_s"]
-            pair["cpu_us_per_token"] = cpu_split(pair["http"])
-            log(f"pair {i + 1}: HTTP {pair['http_tok_s']:.1f} tok/s, offline "
-                f"{pair['offline_tok_s']:.1f}: {100 * pair['ratio']:.0f} %")  # fmt: skip
-            pairs.append(pair)
-    summary = summarize(pairs)
-    print_table(pairs, summary)
     workload = {
         "config": str(args.config),
         "model": model,
@@ -310,11 +300,58 @@ def run(args) -> dict:
         "concurrency": args.concurrency,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
+        "prompt_ids_below": vocab,
         "duration_s": args.duration,
         "offline_repeats": args.repeats,
     }
+    pairs: list[dict] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(args.pairs):
+                pairs.append(run_pair(i, spec, model, weights, dtype, vocab, args, Path(tmp)))
+    except BaseException:
+        if pairs:  # what was measured is kept, marked as cut short
+            record.write(args.out, workload=workload, pairs=pairs, summary=summarize(pairs),
+                         incomplete=True)  # fmt: skip
+        raise
+    summary = summarize(pairs)
+    print_table(pairs, summary)
     record.write(args.out, workload=workload, pairs=pairs, summary=summary)
     return {"pairs": pairs, "summary": summary}
+
+
+def run_pair(i: int, spec: dict, model: str, weights: str, dtype: str, vocab: int, args,
+             tmp: Path) -> dict:  # fmt: skip
+    """Pair i: HTTP and offline in `order(i)`, and their ratio."""
+    pair: dict = {"order": list(order(i))}
+    for what in order(i):
+        if what == "http":
+            port = free_port()
+            config = tmp / f"serve-{i}.yaml"
+            config.write_text(yaml.safe_dump(server_config(spec, port, args.dtype)))
+            log(f"pair {i + 1}: starting the server on port {port} ...")
+            server = start_server(config, port, tmp / f"server-{i}.log", args.start_timeout)
+            try:
+                http = measure_http(server, model, vocab, args, tmp / f"http-{i}.json")
+            finally:
+                stop_server(server)
+            if http["errors"] or not http["completed"]:
+                raise RuntimeError(
+                    f"pair {i + 1}: {http['errors']} of {http['requests']} requests over HTTP "
+                    f"failed, e.g. {http['error_samples'][:1]}"
+                )
+            pair["http"] = http
+            time.sleep(args.settle)  # Ray's processes gone, the cores quiet again
+        else:
+            log(f"pair {i + 1}: the offline engine ...")
+            pair["offline"] = measure_offline(weights, dtype, args, tmp / f"offline-{i}.json")
+    pair["http_tok_s"] = pair["http"]["output_tokens_per_s"]
+    pair["offline_tok_s"] = pair["offline"]["output_tokens_per_s"]
+    pair["ratio"] = pair["http_tok_s"] / pair["offline_tok_s"]
+    pair["cpu_us_per_token"] = cpu_split(pair["http"])
+    log(f"pair {i + 1}: HTTP {pair['http_tok_s']:.1f} tok/s, offline "
+        f"{pair['offline_tok_s']:.1f}: {100 * pair['ratio']:.0f} %")  # fmt: skip
+    return pair
 
 
 def print_table(pairs: list[dict], summary: dict) -> None:
