@@ -25,19 +25,13 @@ CPU per output token, in the JSON, says where it goes. Linux (/proc) only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import http.client
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -49,20 +43,17 @@ for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importa
         sys.path.insert(0, str(path))
 
 from common import RESULTS_DIR, VOCAB_REGULAR, Run, log, machine_info  # noqa: E402
-from peers import free_port  # noqa: E402
+from server_process import start_server, stop_server, wait_ready  # noqa: E402
 
-READY = "serve_app ready at"  # what `python -m serve_app` prints once every replica is up
 START_TIMEOUT_S = 600.0  # a first start builds the demo model into its cache
-STOP_TIMEOUT_S = 90.0
 
 
 # -- the server ---------------------------------------------------------------------------------
 
 
-def server_config(spec: dict, port: int, dtype: str | None) -> dict:
-    """The Serve config `spec` with HTTP on `port` and, if given, every model in `dtype`."""
+def server_config(spec: dict, dtype: str | None) -> dict:
+    """The Serve config `spec` with, if given, every model in `dtype`."""
     spec = copy.deepcopy(spec)
-    spec["http_options"] = {**(spec.get("http_options") or {}), "port": port}
     if dtype is not None:
         for model in models_of(spec):
             model["dtype"] = dtype
@@ -97,111 +88,15 @@ def resolved_dtype(name: str) -> str:
     return str(pick_dtype(name, torch.device("cpu"))).removeprefix("torch.")
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen
-    url: str  # the OpenAI base URL
-    log_path: Path
-
-
-def server_command(config: Path) -> list[str]:
-    return [sys.executable, "-m", "serve_app", str(config)]
-
-
-def start_server(config: Path, port: int, log_path: Path, timeout_s: float) -> Server:
-    """The server of `config` in a session of its own, once it says it is ready and answers
-    (on the config's host, or 127.0.0.1 where it listens on every address)."""
-    host = (yaml.safe_load(config.read_text()).get("http_options") or {}).get("host")
-    host = "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host
-    host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
-    with log_path.open("wb") as out:
-        process = subprocess.Popen(
-            server_command(config), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    server = Server(process, f"http://{host}:{port}/v1", log_path)
-    try:  # the server has a session of its own: Ctrl-C here does not reach it
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with {process.returncode} before it was ready; "
-                    f"the end of its output ({log_path}):\n{tail(log_path)}"
-                )
-            if READY in log_path.read_text(errors="replace") and answers(server.url):
-                return server
-            time.sleep(1.0)
-        raise RuntimeError(f"the server was not ready within {timeout_s:g} s:\n{tail(log_path)}")
-    except BaseException:
-        stop_server(server)
-        raise
-
-
-def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/models", timeout=5) as response:
-            return response.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-
-
-def stop_server(server: Server) -> None:
-    """SIGTERM (the server stops its app and the Ray instance it started), then waits until
-    every process of its session is gone (Ray's workers and the engine processes end after it);
-    SIGKILL to those left when it has not stopped in time."""
-    process = server.process
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=STOP_TIMEOUT_S)
-    while (left := session_processes(process.pid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if process.poll() is None or left:
-        log(f"the server did not stop within {STOP_TIMEOUT_S:g} s: killing what is left of it")
-        with contextlib.suppress(OSError):
-            process.kill()
-        process.wait()
-        deadline = time.monotonic() + 10.0  # a killed process takes a moment to be gone
-        while (left := session_processes(process.pid)) and time.monotonic() < deadline:
-            for pid in left:  # scanned again each time: none started since is missed
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
-        if left:
-            raise RuntimeError(f"processes {left} of the stopped server would not end")
-
-
-def session_processes(session: int) -> list[int]:
-    """The processes of a session (its leader's pid) still running, from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no output)"
-
-
 # -- the two measurements -----------------------------------------------------------------------
 
 
-def measure_http(server: Server, model: str, vocab: int, args, out: Path) -> dict:
-    """bench/serve.py at `--concurrency` streams against the server: the level's figures."""
+def measure_http(url: str, pid: int, model: str, vocab: int, args, out: Path) -> dict:
+    """bench/serve.py at `--concurrency` streams against the server (base URL `url`, process
+    `pid`): the level's figures."""
     import serve as load  # bench/serve.py
 
-    argv = [f"--target=ours={server.url}", f"--model={model}", f"--server-pid={server.process.pid}",
+    argv = [f"--target=ours={url}/v1", f"--model={model}", f"--server-pid={pid}",
             "--token-ids", f"--vocab-size={vocab}", "--ignore-eos",
             f"--prompt-len={args.prompt_len}", f"--output-len={args.output_len}",
             f"--concurrency={args.concurrency}",
@@ -326,15 +221,14 @@ def run_pair(i: int, spec: dict, model: str, weights: str, dtype: str, vocab: in
     pair: dict = {"order": list(order(i))}
     for what in order(i):
         if what == "http":
-            port = free_port()
-            config = tmp / f"serve-{i}.yaml"
-            config.write_text(yaml.safe_dump(server_config(spec, port, args.dtype)))
-            log(f"pair {i + 1}: starting the server on port {port} ...")
-            server = start_server(config, port, tmp / f"server-{i}.log", args.start_timeout)
+            log(f"pair {i + 1}: starting the server ...")
+            server_log = tmp / f"server-{i}.log"
+            process, url = start_server(server_config(spec, args.dtype), server_log)
             try:
-                http = measure_http(server, model, vocab, args, tmp / f"http-{i}.json")
+                wait_ready(url, args.start_timeout, process, server_log)
+                http = measure_http(url, process.pid, model, vocab, args, tmp / f"http-{i}.json")
             finally:
-                stop_server(server)
+                stop_server(process)
             if http["errors"] or not http["completed"]:
                 raise RuntimeError(
                     f"pair {i + 1}: {http['errors']} of {http['requests']} requests over HTTP "

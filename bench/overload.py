@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,8 +38,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import server_process  # noqa: E402
 from common import RESULTS_DIR, Run, log, machine_info, percentile_ms, random_token_ids  # noqa: E402
 from serve import Record, send, session  # noqa: E402  (bench/serve.py: one streamed request)
+from server_process import stop_server, wait_ready  # noqa: E402
 
 ROOT = HERE.parent
 REFUSED = ("HTTP 503", "HTTP 429")
@@ -50,58 +50,13 @@ REFUSED = ("HTTP 503", "HTTP 429")
 # -- the server -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(config: Path, max_link_num: int, log_path: Path) -> tuple[subprocess.Popen, str]:
     """`python -m serve_app` on a copy of `config` with maxLinkNum and a free port."""
     spec = yaml.safe_load(config.read_text())
-    port = free_port()
-    spec["http_options"] = {**(spec.get("http_options") or {}), "port": port}
     for app in spec["applications"]:
         server = app["args"].setdefault("ServerConfig", {})
         server["maxLinkNum"] = max_link_num
-    copy = Path(tempfile.mkdtemp(prefix="overload-")) / config.name
-    copy.write_text(yaml.safe_dump(spec, sort_keys=False))
-    out = open(log_path, "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "serve_app", str(copy)],
-        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        # Ctrl-C must reach it even when this bench runs as a background job (which inherits
-        # SIGINT ignored where job control is off)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
-    return process, f"http://127.0.0.1:{port}"
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    """Ctrl-C to the server's process group (it shuts Serve and Ray down), then kill."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-
-
-def wait_ready(url: str, timeout_s: float, process: subprocess.Popen | None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited ({process.returncode}) before it was ready")
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+    return server_process.start_server(spec, log_path)
 
 
 def _serve_deployment(proc) -> str | None:

@@ -62,9 +62,19 @@ class TreeCPU:
         return dict(sorted(by_label.items(), key=lambda kv: -kv[1]))
 
 
+def session_processes(session: int) -> list[int]:
+    """The live processes (zombies left out) of a session, by its leader's pid."""
+    return [pid for pid, f in _stat_fields() if int(f[3]) == session and f[0] != "Z"]
+
+
 def _all_stats() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, utime + stime in clock ticks) of every process readable now."""
-    out = {}
+    return {pid: (int(f[1]), int(f[11]) + int(f[12])) for pid, f in _stat_fields()}
+
+
+def _stat_fields():
+    """(pid, the fields of /proc/PID/stat after the name) of every process readable now: state,
+    parent, process group, session, ..."""
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
@@ -72,9 +82,7 @@ def _all_stats() -> dict[int, tuple[int, int]]:
             text = (entry / "stat").read_text()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        fields = text[text.rfind(")") + 2 :].split()  # the name may hold spaces and parens
-        out[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    return out
+        yield int(entry.name), text[text.rfind(")") + 2 :].split()  # a name may hold parens
 
 
 def _label(pid: int) -> str:

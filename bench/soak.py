@@ -35,7 +35,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from common import RESULTS_DIR, Run, log, machine_info  # noqa: E402
-from overload import replica_rss_mb, scrape, start_server, stop_server, wait_ready  # noqa: E402
+from overload import replica_rss_mb, scrape, start_server  # noqa: E402
+from server_process import stop_server, wait_ready  # noqa: E402
 
 FATES = ("complete", "disconnect", "server_timeout", "client_timeout", "stop")
 CLIENT_TIMEOUT_S = 0.3

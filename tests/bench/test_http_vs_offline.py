@@ -17,6 +17,12 @@ def hvo(load_bench):
     return load_bench("http_vs_offline")
 
 
+@pytest.fixture(scope="module")
+def sp(hvo):
+    """bench/server_process.py, the module that starts and stops the servers it measures."""
+    return sys.modules[hvo.start_server.__module__]
+
+
 SPEC = {
     "proxy_location": "HeadOnly",
     "http_options": {"host": "127.0.0.1", "port": 8000},
@@ -38,26 +44,25 @@ SPEC = {
 }
 
 
-def stand_in_server(tmp_path, monkeypatch, hvo, body: str):
+def stand_in_server(tmp_path, monkeypatch, sp, body: str):
     """Makes the bench start `body` (a Python script given the config's path) as the server."""
     script = tmp_path / "stand_in_server.py"
     script.write_text(textwrap.dedent(body))
     command = [sys.executable, str(script)]
-    monkeypatch.setattr(hvo, "server_command", lambda config: [*command, str(config)])
+    monkeypatch.setattr(sp, "server_command", lambda config: [*command, str(config)])
 
 
-def test_pairs_end_to_end(hvo, tmp_path, monkeypatch, capsys):
-    # the server: bench/sse_floor.py's bare SSE app on the config's port, ready as ours says
+def test_pairs_end_to_end(hvo, sp, tmp_path, monkeypatch, capsys):
+    # the server: bench/sse_floor.py's bare SSE app on the config's port (any GET answers 200)
     stand_in_server(
         tmp_path,
         monkeypatch,
-        hvo,
+        sp,
         f"""
         import sys, yaml
         sys.path.insert(0, {str(hvo.HERE)!r})
         import sse_floor
         port = yaml.safe_load(open(sys.argv[1]))["http_options"]["port"]
-        print("{hvo.READY} http://127.0.0.1:%d" % port, flush=True)
         sse_floor.serve("bare", port, 0.005)
     """,
     )
@@ -117,14 +122,14 @@ def test_pairs_end_to_end(hvo, tmp_path, monkeypatch, capsys):
     assert "HTTP/offline" in table and "share" in table and "\nmean " in table
 
 
-def test_a_failed_pair_keeps_the_pairs_before_it(hvo, tmp_path, monkeypatch, capsys):
+def test_a_failed_pair_keeps_the_pairs_before_it(hvo, sp, tmp_path, monkeypatch, capsys):
     """The second server fails to start: the error names it with its output, and the first
     pair is written, marked incomplete. A server whose requests fail stops the run too."""
     starts = tmp_path / "starts"
     stand_in_server(
         tmp_path,
         monkeypatch,
-        hvo,
+        sp,
         f"""
         import http.server, json, pathlib, sys, yaml
         starts = pathlib.Path({str(starts)!r}); starts.mkdir(exist_ok=True)
@@ -135,7 +140,7 @@ def test_a_failed_pair_keeps_the_pairs_before_it(hvo, tmp_path, monkeypatch, cap
         port = yaml.safe_load(open(sys.argv[1]))["http_options"]["port"]
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # /v1/models: ready
+            def do_GET(self):  # /v2/health/ready: ready
                 self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
             def do_POST(self):  # every request fails after the first start's
                 self.rfile.read(int(self.headers["Content-Length"]))
@@ -149,7 +154,6 @@ def test_a_failed_pair_keeps_the_pairs_before_it(hvo, tmp_path, monkeypatch, cap
             def log_message(self, *args):
                 pass
 
-        print("{hvo.READY} http://127.0.0.1:%d" % port, flush=True)
         http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
     """,
     )
@@ -174,17 +178,29 @@ def test_a_failed_pair_keeps_the_pairs_before_it(hvo, tmp_path, monkeypatch, cap
 
 
 def test_server_config(hvo):
-    spec = hvo.server_config(SPEC, 41234, "bfloat16")
-    assert spec["http_options"] == {"host": "127.0.0.1", "port": 41234}
+    spec = hvo.server_config(SPEC, "bfloat16")
     assert [m["dtype"] for m in hvo.models_of(spec)] == ["bfloat16", "bfloat16"]
     assert "dtype" not in hvo.models_of(SPEC)[0]  # the user's config is left as it was
-    assert hvo.server_config(SPEC, 1, None)["applications"] == SPEC["applications"]
-    assert hvo.server_config({"applications": []}, 5, None)["http_options"] == {"port": 5}
+    assert hvo.server_config(SPEC, None) == SPEC
     assert hvo.first_model(SPEC) == ("demo", "demo", "auto")
     with pytest.raises(SystemExit):
         hvo.first_model({"applications": [{"args": {}}]})
     assert hvo.resolved_dtype("float32") == "float32"
     assert hvo.resolved_dtype("auto") in ("float32", "bfloat16")
+
+
+def test_the_server_gets_a_free_port_and_is_reached_on_its_host(sp, tmp_path, monkeypatch):
+    monkeypatch.setattr(sp, "server_command", lambda config: [sys.executable, "-c", "pass"])
+    for host, reached in (("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("::1", "[::1]")):
+        spec = {**SPEC, "http_options": {"host": host, "port": 8000}}
+        process, url = sp.start_server(spec, tmp_path / "server.log")
+        process.wait(timeout=30)
+        written = yaml.safe_load((tmp_path / "server.yaml").read_text())
+        port = written["http_options"]["port"]
+        assert port != 8000 and written["http_options"]["host"] == host
+        assert url == f"http://{reached}:{port}"
+        assert written["applications"] == SPEC["applications"]
+    assert SPEC["http_options"]["port"] == 8000  # the user's config is left as it was
 
 
 def test_cpu_split(hvo):
@@ -217,26 +233,31 @@ def test_arguments(hvo, tmp_path):
             hvo.parse_args(bad)
 
 
-def test_stopping_waits_for_the_whole_session(hvo, tmp_path, monkeypatch):
+def test_stopping_waits_for_the_whole_session(sp, tmp_path, monkeypatch):
     """Ray's processes outlive the server's own for a while: the offline run must not start
     beside them; what is still there when the stop's time is up is killed."""
     import subprocess
     import time
 
-    monkeypatch.setattr(hvo, "STOP_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(sp, "STOP_TIMEOUT_S", 3.0)
     for lasts in (0.5, 60.0):  # a child of the server's that ends soon after it, or never
+        ready = tmp_path / f"child-{lasts}"  # the child ignores the stop's Ctrl-C from here on
+        child = (
+            f"import pathlib, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            f"pathlib.Path({str(ready)!r}).touch(); time.sleep({lasts})"
+        )
         server = textwrap.dedent(f"""
             import subprocess, sys, time
-            subprocess.Popen([sys.executable, "-c", "import time; time.sleep({lasts})"])
+            subprocess.Popen([sys.executable, "-c", {child!r}])
             time.sleep(60)
         """)
         process = subprocess.Popen([sys.executable, "-c", server], start_new_session=True)
         deadline = time.monotonic() + 10
-        while len(hvo.session_processes(process.pid)) < 2 and time.monotonic() < deadline:
+        while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(hvo.session_processes(process.pid)) == 2
+        assert len(sp.session_processes(process.pid)) == 2
         start = time.monotonic()
-        hvo.stop_server(hvo.Server(process, "http://127.0.0.1:1/v1", tmp_path / "log"))
+        sp.stop_server(process)
         took = time.monotonic() - start
-        assert hvo.session_processes(process.pid) == []
+        assert sp.session_processes(process.pid) == []
         assert (0.1 < took < 3.0) if lasts < 3 else (3.0 <= took < 6.0), (lasts, took)
