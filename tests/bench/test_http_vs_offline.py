@@ -236,7 +236,6 @@ def test_arguments(hvo, tmp_path):
 def test_stopping_waits_for_the_whole_session(sp, tmp_path, monkeypatch):
     """Ray's processes outlive the server's own for a while: the offline run must not start
     beside them; what is still there when the stop's time is up is killed."""
-    import subprocess
     import time
 
     monkeypatch.setattr(sp, "STOP_TIMEOUT_S", 3.0)
@@ -251,7 +250,12 @@ def test_stopping_waits_for_the_whole_session(sp, tmp_path, monkeypatch):
             subprocess.Popen([sys.executable, "-c", {child!r}])
             time.sleep(60)
         """)
-        process = subprocess.Popen([sys.executable, "-c", server], start_new_session=True)
+        # started as a server is (in a session of its own, Ctrl-C restored: under a background
+        # job the test itself may run with SIGINT ignored)
+        monkeypatch.setattr(
+            sp, "server_command", lambda config, s=server: [sys.executable, "-c", s]
+        )
+        process, _ = sp.start_server({}, tmp_path / f"server-{lasts}.log")
         deadline = time.monotonic() + 10
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
