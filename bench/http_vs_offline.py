@@ -187,7 +187,9 @@ def run(args) -> dict:
     model, weights, config_dtype = first_model(spec)
     dtype = args.dtype or resolved_dtype(config_dtype)
     vocab = prompt_vocab(weights)
-    record = Run.begin(machine_info(("ray", "torch", "aiohttp"), client="bench/serve.py"))
+    record = Run.begin(
+        machine_info(("ray", "torch", "httptools", "uvloop"), client="bench/serve.py")
+    )
     workload = {
         "config": str(args.config),
         "model": model,

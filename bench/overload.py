@@ -137,7 +137,7 @@ async def capacity(url: str, args, bodies: Bodies) -> tuple[list[Record], float]
     """Closed loop at --concurrency for --capacity-s: (records, wall seconds)."""
     records: list[Record] = []
     stop_at = time.perf_counter() + args.capacity_s
-    async with session(None, None) as client:
+    async with session() as client:
 
         async def worker() -> None:
             while time.perf_counter() < stop_at:
@@ -152,7 +152,7 @@ async def overload(url: str, args, bodies: Bodies, rate: float, rss: list) -> li
     """Poisson arrivals at `rate` for --duration, nothing held back on the client."""
     records: list[Record] = []
     arrivals = random.Random(f"{args.seed}:arrivals")
-    async with session(None, None) as client:
+    async with session() as client:
 
         async def one(body: dict) -> None:
             records.append(await send(client, url, body, args.timeout))

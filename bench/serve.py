@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # importable from a test, not only runnable as a script
     sys.path.insert(0, str(HERE))
@@ -49,6 +47,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
 )
 from peers import REFUSES, Peer, PeerUnavailable, parse_peers  # noqa: E402
 from proc_cpu import TreeCPU  # noqa: E402
+from sse_client import HTTPStatusError, StreamClient  # noqa: E402
 
 DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
 DEFAULT_CONCURRENCY = "1,4,16,32,64"
@@ -201,37 +200,31 @@ def note_line(rec: Record, line: str, now: float) -> bool:
     return False
 
 
-def session(max_connections: int | None, timeout_s: float | None) -> aiohttp.ClientSession:
-    """The HTTP client of every request of a run: aiohttp, whose streamed reads cost about half
-    the CPU time of httpx's per chunk (measured: ~57 against ~108 us a chunk at 32 streams), so
-    that a load generator on the server's own cores takes less from it. Keep-alive connections,
-    at most `max_connections` (None: no limit); `timeout_s` bounds each call (None: no bound)."""
-    connector = aiohttp.TCPConnector(limit=max_connections or 0)
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20)
+def session() -> StreamClient:
+    """The HTTP client of every request of a run (`async with`): bench/sse_client.py, keep-alive
+    connections over httptools' parser, about half aiohttp's CPU per streamed chunk (and aiohttp
+    half httpx's), so that a load generator on the server's own cores takes less from it."""
+    return StreamClient()
 
 
-async def _stream(client: aiohttp.ClientSession, url: str, body: dict, rec: Record) -> None:
-    async with client.post(url, json=body) as response:
-        if response.status != 200:
-            text = (await response.read())[:300]
-            rec.error = f"HTTP {response.status}: {text!r}"
-            return
-        async for line in response.content:  # one SSE line at a time, b"\n" included
-            if note_line(rec, line.decode(), time.perf_counter()):
-                break
+async def _stream(client: StreamClient, url: str, body: dict, rec: Record) -> None:
+    try:
+        await client.post_lines(url, body, lambda line, now: note_line(rec, line, now))
+    except HTTPStatusError as exc:
+        rec.error = str(exc)
+        return
     if rec.error is None and not rec.done:
         rec.error = "stream ended without [DONE]"
 
 
-async def send(client: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> Record:
+async def send(client: StreamClient, url: str, body: dict, timeout_s: float) -> Record:
     """One streaming request, bounded by timeout_s in all (connect, queueing, generation)."""
     rec = Record(time.perf_counter())
     try:
         await asyncio.wait_for(_stream(client, url, body, rec), timeout_s)
     except asyncio.TimeoutError:
         rec.error, rec.timed_out = f"timeout after {timeout_s:g} s", True
-    except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a body not JSON
+    except (OSError, ValueError) as exc:  # ValueError: a body not JSON
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     rec.end = time.perf_counter()
     return rec
@@ -528,21 +521,26 @@ def plot(results: dict, prefix: Path, args) -> list[Path]:
 # -- the run ------------------------------------------------------------------------------------
 
 
-async def discover_model(client: aiohttp.ClientSession, target: Target) -> str:
+async def discover_model(client: StreamClient, target: Target) -> str:
     """The first model `GET {base}/models` lists."""
-    async with client.get(target.base_url + "/models") as response:
-        response.raise_for_status()
-        data = (await response.json(content_type=None)).get("data") or []
+    data = (await client.get_json(target.base_url + "/models")).get("data") or []
     if not data:
         raise RuntimeError(f"{target.name}: {target.base_url}/models lists no model")
     return data[0]["id"]
 
 
-async def resolve_model(client: aiohttp.ClientSession, target: Target, args) -> str | None:
+async def resolve_model(client: StreamClient, target: Target, args) -> str | None:
     """Set target.model (--model, else the server's first); the error text when that fails."""
     try:
         target.model = target.model or args.model or await discover_model(client, target)
-    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as exc:
+    except (
+        HTTPStatusError,
+        OSError,
+        asyncio.TimeoutError,
+        RuntimeError,
+        ValueError,
+        KeyError,
+    ) as exc:
         log(f"{target.name}: no model from {target.base_url}/models ({exc}); skipped")
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -550,8 +548,7 @@ async def resolve_model(client: aiohttp.ClientSession, target: Target, args) -> 
 
 async def bench_target(target: Target, args, deadline: float) -> dict:
     """Warm-up, then every level in turn (those past the overall limit are skipped)."""
-    top = max(args.levels) if not args.rate else args.max_concurrency
-    async with session(int(top) + 8, args.timeout) as client:
+    async with session() as client:
         error = await resolve_model(client, target, args)
         if error is not None:  # one unreachable target must not cost the others their results
             skipped = list(args.levels)
@@ -648,10 +645,20 @@ def workload_record(args) -> dict:
     }
 
 
+def run_loop(coro):
+    """`coro` on uvloop where it is installed (it comes with ray[serve]): its event loop costs
+    the load generator ~15 % less CPU per streamed chunk than asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def bench(args) -> dict:
     """Run the sweep against every target; print the table, write the JSON (and plots)."""
-    run = Run.begin(machine_info(("aiohttp",), client="bench/serve.py"))
-    results = asyncio.run(bench_all(args))
+    run = Run.begin(machine_info(("httptools", "uvloop"), client="bench/serve.py"))
+    results = run_loop(bench_all(args))
     print_table(results, args)
     body = {
         "workload": workload_record(args),

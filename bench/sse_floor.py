@@ -222,7 +222,9 @@ def measure(name: str, url: str, pid: int, args, out: Path) -> dict:
 
 def run(args) -> dict:
     """Each stand-in, then the live server; the table, and a JSON of every one's figures."""
-    record = Run.begin(machine_info(("aiohttp", "uvicorn", "fastapi"), client="bench/serve.py"))
+    record = Run.begin(
+        machine_info(("httptools", "uvloop", "uvicorn", "fastapi"), client="bench/serve.py")
+    )
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:  # bench/serve.py's own reports, not kept
         for mode in args.modes:
