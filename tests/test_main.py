@@ -33,12 +33,18 @@ def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monke
 
 
 def test_ray_serves_background_work_is_slowed_unless_the_user_set_it(monkeypatch):
-    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "")  # restored at teardown
-    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S")
+    for name in ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_event_stats",
+                 "RAY_task_events_report_interval_ms"):  # fmt: skip
+        monkeypatch.setenv(name, "")  # restored at teardown
+        monkeypatch.delenv(name)
     monkeypatch.setenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100")
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "10000")
     main._quiet_ray_background()
     assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Ray's default: 0.1
+    assert os.environ["RAY_event_stats"] == "0"  # Ray's core: no event loop statistics
+    assert os.environ["RAY_task_events_report_interval_ms"] == "0"  # nor task events
     assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "100"  # the user's
+    assert os.environ["RAY_metrics_report_interval_ms"] == "10000"  # the user's
 
 
 def test_ingress_replica_counts():
