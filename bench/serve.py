@@ -532,7 +532,11 @@ async def discover_model(client: StreamClient, target: Target) -> str:
 async def resolve_model(client: StreamClient, target: Target, args) -> str | None:
     """Set target.model (--model, else the server's first); the error text when that fails."""
     try:
-        target.model = target.model or args.model or await discover_model(client, target)
+        target.model = (
+            target.model
+            or args.model
+            or await asyncio.wait_for(discover_model(client, target), args.timeout)
+        )
     except (
         HTTPStatusError,
         OSError,

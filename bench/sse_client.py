@@ -38,21 +38,26 @@ class ProtocolError(ConnectionError):
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection, one request at a time: a 200's body goes line by line to
-    `on_line` (or is collected when there is none), any other status's body is collected."""
+    `on_line` (or is collected when there is none), any other status's body is collected.
+    `done` resolves when the response is over, or as soon as on_line says the stream is; the
+    rest of such a response is still read, and `on_idle` is called once it has been."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
+        self.on_idle: Callable[[_Connection], None] | None = None
         self.begin(None)
 
     def begin(self, on_line: LineHandler | None) -> asyncio.Future:
         self.on_line = on_line
+        self.on_idle = None
         self.status = 0
         self.keep_alive = True
         self.complete = False  # the whole response was read: the connection can be reused
         self.framed = False  # a length or chunks: else the body runs until the server closes
         self.stopped = False  # on_line said the stream is over: the rest is not looked at
+        self.error: BaseException | None = None  # what on_line raised
         self.body = b""  # collected (or the last line, still incomplete)
         self.done = asyncio.get_running_loop().create_future()
         return self.done
@@ -64,23 +69,25 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(ProtocolError(f"malformed response: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - on_line's own error (a body not JSON)
-            self._fail(exc)
+        except httptools.HttpParserError as exc:  # on_line's errors come wrapped in one too
+            self._fail(self.error or ProtocolError(f"malformed response: {exc}"))
+            self.close()  # the parser's state is lost: the connection cannot serve again
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if exc is None and self.status and not self.framed:  # the close ends such a body
-            self.on_message_complete()
-        elif self.stopped:  # a stream that ended itself: what came after it does not matter
-            self._finish()
+        if exc is None and self.status and not self.framed and not self.complete:
+            try:  # the close is what ends such a body
+                self.on_message_complete()
+            except Exception as error:  # noqa: BLE001 - on_line's, on the last line
+                self._fail(error)
         self._fail(exc or ConnectionError("the server closed the connection mid-response"))
 
     # -- httptools callbacks --------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value):
+        if name == b"content-length" or (
+            name == b"transfer-encoding" and b"chunked" in value.lower()
+        ):
             self.framed = True
 
     def on_headers_complete(self) -> None:
@@ -97,15 +104,29 @@ class _Connection(asyncio.Protocol):
         lines = (self.body + body if self.body else body).split(b"\n")
         self.body = lines.pop()
         for line in lines:
-            if self.on_line(line.decode(), now):
-                self.stopped = True
+            if self._line(line, now):
                 return
 
     def on_message_complete(self) -> None:
+        if 100 <= self.status < 200:  # an interim response (103 Early Hints): the real one follows
+            self.status, self.framed = 0, False
+            return
         self.complete = True
         if self.on_line is not None and self.status == 200 and self.body and not self.stopped:
-            self.stopped = self.on_line(self.body.decode(), time.perf_counter())
+            self._line(self.body, time.perf_counter())
         self._finish()
+        if self.on_idle is not None and self.keep_alive and not self.closed:
+            self.on_idle(self)
+
+    def _line(self, line: bytes, now: float) -> bool:
+        try:
+            self.stopped = bool(self.on_line(line.decode(), now))
+        except Exception as exc:
+            self.error = exc
+            raise
+        if self.stopped:
+            self._finish()
+        return self.stopped
 
     def _finish(self) -> None:
         if not self.done.done():
@@ -144,8 +165,9 @@ class StreamClient:
         """POSTs `payload` as JSON and feeds the lines of a 200's body (without their b"\\n") to
         on_line as they arrive, until it returns True or the body ends. HTTPStatusError for any
         other status; OSError (ConnectionError, ProtocolError) when the connection fails;
-        on_line's own exceptions are raised here. Returns once the whole response is read
-        (after on_line returned True too: the connection is then reused)."""
+        on_line's own exceptions are raised here. Returns when the body ends or on_line
+        returned True (the rest of the body is then read in the background, and the connection
+        reused after it). Lines come without their b"\\n" (a b"\\r" before it is kept)."""
         body = json.dumps(payload).encode()
         await self._request("POST", url, body, on_line)
 
@@ -167,16 +189,19 @@ class StreamClient:
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         conn = await self._connection(key)
-        reusable = False
+        outcome = "close"
         try:
             done = conn.begin(on_line)
             conn.transport.write(head + body)
             result = await done
-            reusable = conn.complete and conn.keep_alive and not conn.closed
+            if conn.keep_alive and not conn.closed:
+                outcome = "idle" if conn.complete else "drain"
             return result
         finally:
-            if reusable:
+            if outcome == "idle":
                 self._idle.setdefault(key, []).append(conn)
+            elif outcome == "drain":  # ended by on_line: pooled once the rest has been read
+                conn.on_idle = lambda c: self._idle.setdefault(key, []).append(c)
             else:  # failed, cancelled, or the server closes it
                 self._open.discard(conn)
                 conn.close()

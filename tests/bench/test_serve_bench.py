@@ -267,6 +267,26 @@ def test_send_records_http_errors_refused_connections_and_timeouts(sb, base_url)
     assert all(r.end >= r.start for r in (ok, bad, refused, late))
 
 
+def test_a_target_that_never_answers_its_model_list_is_skipped_at_the_timeout(sb):
+    """A server that accepts the connection and then says nothing costs --timeout, not the run."""
+
+    async def run():
+        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        target = sb.Target("mute", f"http://127.0.0.1:{port}/v1")
+        args = sb.parse_args([f"--target=mute=http://127.0.0.1:{port}/v1", "--timeout=0.5"])
+        try:
+            async with sb.session() as client:
+                t0 = time.perf_counter()
+                error = await sb.resolve_model(client, target, args)
+                return error, time.perf_counter() - t0
+        finally:
+            silent.close()
+
+    error, waited = asyncio.run(run())
+    assert error.startswith("TimeoutError") and waited < 5
+
+
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_sweep_against_the_app(sb, base_url, tmp_path, api):
     out = tmp_path / f"serve-{api}.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -216,3 +217,62 @@ def test_only_http_urls(sc):
 
     with pytest.raises(ValueError, match="ftp://"):
         asyncio.run(main())
+
+
+def test_on_lines_own_error_is_raised_as_is_mid_stream_and_on_a_last_line_at_close(sc):
+    def strict(line: str, now: float) -> bool:  # as bench/serve.py's note_line: JSON or bust
+        if line.startswith("data:"):
+            json.loads(line[5:])
+        return False
+
+    mid = [STREAM_HEAD + chunked(b'data: {"x": 1}\n\n', b"data: {bad\n\n", b"data: 2\n\n")]
+    last = [b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n", b"data: {bad", None]
+
+    async def main():
+        errors = []
+        for reply in (mid, last):
+            async with Server([reply]) as base, sc.StreamClient() as client:
+                t0 = time.perf_counter()
+                with pytest.raises(json.JSONDecodeError):
+                    await asyncio.wait_for(client.post_lines(base + "/x", {}, strict), 5)
+                errors.append(time.perf_counter() - t0)
+        return errors
+
+    assert all(waited < 2 for waited in asyncio.run(main()))  # at once, not at the timeout
+
+
+def test_a_stream_is_over_at_done_and_its_connection_is_reused_once_the_body_ends(sc):
+    held = [STREAM_HEAD + b"e\r\ndata: [DONE]\n\n\r\n", b"", b"0\r\n\r\n"]  # the end comes later
+    held[1:2] = [b""] * 100  # ~1 s between [DONE] and the body's end
+
+    async def main():
+        server = Server([held, [STREAM_HEAD + chunked(b"data: [DONE]\n\n")]])
+        async with server as base, sc.StreamClient() as client:
+            t0 = time.perf_counter()
+            await client.post_lines(base + "/x", {}, lambda line, now: line == "data: [DONE]")
+            first = time.perf_counter() - t0
+            await asyncio.sleep(1.5)  # the rest of the first body arrives meanwhile
+            again = []
+            await client.post_lines(base + "/x", {}, into(again))
+        return server, first, again
+
+    server, first, again = asyncio.run(main())
+    assert first < 0.5  # returned at [DONE], not when the body ended (~1 s later)
+    assert again == ["data: [DONE]", ""] and server.connections == 1
+
+
+def test_chunked_in_any_case_and_an_interim_response_before_the_answer(sc):
+    head = STREAM_HEAD.replace(b"transfer-encoding: chunked", b"Transfer-Encoding: Chunked")
+    cut = [head + chunked(b"data: 1\n\n")[: -len(b"0\r\n\r\n")], None]  # a chunked body cut off
+    early = [b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + STREAM_HEAD, chunked(b"data: 2\n")]
+
+    async def main():
+        async with Server([cut]) as base, sc.StreamClient() as client:
+            with pytest.raises(ConnectionError):  # not taken for a body that ends at the close
+                await client.post_lines(base + "/x", {}, lambda *_: False)
+        async with Server([early]) as base, sc.StreamClient() as client:
+            got = []
+            await client.post_lines(base + "/x", {}, into(got))
+        return got
+
+    assert asyncio.run(main()) == ["data: 2"]
