@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
 import time
@@ -41,6 +40,8 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     percentile_ms,
     random_token_ids,
 )
+from peers import free_port  # noqa: E402
+from server_process import wait_ready  # noqa: E402
 
 from serve_app.app import build_app  # noqa: E402
 
@@ -62,12 +63,6 @@ FIGURES = [
 ]
 ITL_P99_TARGET = 2.0  # colocated p99 inter-token latency / PD's
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # no Serve log line per request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the application ----------------------------------------------------------------------------
@@ -104,18 +99,6 @@ def app_args(mode: str, args) -> dict:
         },
         "Deployments": deployments,
     }
-
-
-def wait_ready(url: str, timeout_s: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}/v2/health/ready not 200 after {timeout_s:.0f} s")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -456,7 +439,8 @@ def bench_mode(mode: str, args, url: str, prompts: Prompts) -> dict:
     log(f"{mode}: deploying ({MODES[mode]}) ...")
     start = time.monotonic()
     serve.run(build_app(app_args(mode, args)), name=APP, route_prefix="/", logging_config=QUIET)
-    ready_s = time.monotonic() - start + wait_ready(url, args.ready_timeout)
+    wait_ready(url, args.ready_timeout, None, poll_s=0.5)
+    ready_s = time.monotonic() - start
     log(f"{mode}: ready in {ready_s:.1f} s; warm-up ...")
     try:
         warm = asyncio.run(warmup(url, args, prompts))

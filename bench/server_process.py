@@ -53,9 +53,10 @@ def start_server(spec: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
 
 
 def wait_ready(url: str, timeout_s: float, process: subprocess.Popen | None,
-               log_path: Path | None = None) -> None:  # fmt: skip
-    """Until `url` says every model replica is ready (/v2/health/ready); an error if the
-    server exits first (with the end of its output, from `log_path`) or takes too long."""
+               log_path: Path | None = None, poll_s: float = 1.0) -> None:  # fmt: skip
+    """Until `url` says every model replica is ready (/v2/health/ready, asked every `poll_s`);
+    an error if the server exits first (with the end of its output, from `log_path`) or takes
+    too long. `process` None: a server this bench did not start as a process."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
@@ -69,7 +70,7 @@ def wait_ready(url: str, timeout_s: float, process: subprocess.Popen | None,
                     return
         except (OSError, http.client.HTTPException):
             pass
-        time.sleep(1.0)
+        time.sleep(poll_s)
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s:\n{tail(log_path)}")
 
 
