@@ -46,12 +46,11 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
-        self.on_idle: Callable[[_Connection], None] | None = None
         self.begin(None)
 
     def begin(self, on_line: LineHandler | None) -> asyncio.Future:
         self.on_line = on_line
-        self.on_idle = None
+        self.on_idle: Callable[[_Connection], None] | None = None  # set by a drained request
         self.status = 0
         self.keep_alive = True
         self.complete = False  # the whole response was read: the connection can be reused
@@ -162,12 +161,12 @@ class StreamClient:
         self.close()
 
     async def post_lines(self, url: str, payload: Any, on_line: LineHandler) -> None:
-        """POSTs `payload` as JSON and feeds the lines of a 200's body (without their b"\\n") to
-        on_line as they arrive, until it returns True or the body ends. HTTPStatusError for any
-        other status; OSError (ConnectionError, ProtocolError) when the connection fails;
-        on_line's own exceptions are raised here. Returns when the body ends or on_line
-        returned True (the rest of the body is then read in the background, and the connection
-        reused after it). Lines come without their b"\\n" (a b"\\r" before it is kept)."""
+        """POSTs `payload` as JSON and feeds the lines of a 200's body to on_line as they
+        arrive (without their b"\\n"; a b"\\r" before it is kept). Returns when the body ends
+        or on_line returned True (the rest of the body is then read in the background, and the
+        connection reused after it). HTTPStatusError for any other status; OSError
+        (ConnectionError, ProtocolError) when the connection fails; on_line's own exceptions
+        are raised here."""
         body = json.dumps(payload).encode()
         await self._request("POST", url, body, on_line)
 
