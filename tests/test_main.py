@@ -33,9 +33,8 @@ def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monke
 
 
 def test_ray_serves_background_work_is_slowed_unless_the_user_set_it(monkeypatch):
-    for name in ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_event_stats",
-                 "RAY_task_events_report_interval_ms"):  # fmt: skip
-        monkeypatch.setenv(name, "")  # restored at teardown
+    for name in main.RAY_BACKGROUND_ENV:  # all restored at teardown: later tests start Ray
+        monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100")
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "10000")
