@@ -102,6 +102,8 @@ def measure_http(url: str, pid: int, model: str, vocab: int, args, out: Path) ->
             f"--concurrency={args.concurrency}",
             f"--duration={args.duration}", "--no-plot", "--no-progress",
             f"--out={out}"]  # fmt: skip
+    if args.stream_interval is not None:
+        argv.append(f"--stream-interval={args.stream_interval}")
     return load.bench(load.parse_args(argv))["results"]["ours"]["levels"][0]
 
 
@@ -199,6 +201,7 @@ def run(args) -> dict:
         "output_len": args.output_len,
         "prompt_ids_below": vocab,
         "duration_s": args.duration,
+        "stream_interval": args.stream_interval,
         "offline_repeats": args.repeats,
     }
     pairs: list[dict] = []
@@ -290,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--duration", type=float, default=40.0, help="seconds over HTTP per pair")
+    p.add_argument("--stream-interval", type=int,
+                   help="tokens per streamed chunk the HTTP requests ask for (default: the "
+                   "server's, 1 unless the config's streamInterval says otherwise)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="offline runs per pair (the median)")
     p.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S,
                    help="seconds the server may take to be ready")  # fmt: skip
@@ -305,6 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "must be positive")  # fmt: skip
     if args.settle < 0 or args.start_timeout <= 0:
         p.error("--settle must be >= 0 and --start-timeout positive")
+    if args.stream_interval is not None and args.stream_interval < 1:
+        p.error("--stream-interval must be >= 1")
     return args
 
 

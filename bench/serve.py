@@ -67,7 +67,7 @@ WORDS = (
 WORKLOAD_KEYS = {
     "api", "prompt_len", "output_len", "token_ids", "vocab_size", "rate", "concurrency",
     "max_concurrency", "duration", "num_requests", "seed", "ignore_eos", "temperature",
-    "timeout", "warmup",
+    "timeout", "warmup", "stream_interval",
 }  # fmt: skip
 
 
@@ -131,6 +131,8 @@ def request_body(args, model: str, prompt: str | list[int], max_tokens: int) -> 
     body["stream_options"] = {"include_usage": True}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.stream_interval is not None:  # vLLM's extension, which ours takes too
+        body["stream_interval"] = args.stream_interval
     if args.api == "completions":
         body["prompt"] = prompt
         body["temperature"] = args.temperature
@@ -641,6 +643,7 @@ def workload_record(args) -> dict:
         "seed": args.seed,
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
+        "stream_interval": args.stream_interval,
         "warmup_requests": args.warmup,
         "request_timeout_s": args.timeout,
         "max_run_s": args.max_run_s,
@@ -773,6 +776,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        help="send stream_interval: N (tokens per streamed chunk, first and last at once; "
+        "vLLM's extension): the server's work per token against burstier streams",
+    )
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per target")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request limit, seconds")
     p.add_argument(
@@ -851,6 +860,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--duration must be > 0")
     if args.num_requests is not None and args.num_requests < 1:
         parser.error("--num-requests must be >= 1")
+    if args.stream_interval is not None and args.stream_interval < 1:
+        parser.error("--stream-interval must be >= 1")
     if args.timeout <= 0 or args.max_run_s <= 0:
         parser.error("--timeout and --max-run-s must be > 0")
     if args.replot is not None and args.no_plot:

@@ -121,6 +121,8 @@ class ReplicaRequest:
     token_texts: bool = False  # fill ChoiceDelta.token_texts (per-token text for token events)
     logprob_texts: bool = False  # fill TokenLogprobText.token/top as decoded strings
     reply_to: StreamAddress | None = None  # the ingress's token socket, when it has one
+    # stream: chunks carry at least this many new tokens each, but the first and the last
+    stream_interval: int = 1
 
 
 @dataclass(slots=True)

@@ -172,6 +172,7 @@ RANGES = [  # dotted key, lowest valid, highest valid (None: unbounded), other k
     ("ServerConfig.tokenTimeout", 1, 3600),
     ("ServerConfig.e2eTimeout", 1, 65535),
     ("ServerConfig.maxRequestLength", 1, 100),
+    ("ServerConfig.streamInterval", 1, 1024),
     ("BackendConfig.tokenizerProcessNumber", 1, 32),
     (f"{DEPLOY}.maxInputTokenLen", 1, 4194304, {f"{SCHED}.maxPrefillTokens": 4194304}),
     (f"{DEPLOY}.maxSeqLen", 512, None),  # lower bound from maxIterTimes (512) <= maxSeqLen

@@ -74,7 +74,11 @@ class Pipeline:
         self.embedding_names = config.embedding_names
         # Model-independent limits for the protocol layer (output caps and defaults); the
         # tokenizer pool applies the full rules with each model's max_position_embeddings.
-        self.defaults = ServerDefaults(config.token_limits(), config.pd_mode)
+        self.defaults = ServerDefaults(
+            config.token_limits(),
+            config.pd_mode,
+            stream_interval=config.ServerConfig.streamInterval,
+        )
         self.stops = StopRegistry()
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -124,6 +128,8 @@ class Pipeline:
     ) -> AsyncIterator[ReplicaChunk]:
         """The replica's chunks. Errors raise `APIError`; a stopInfer ends the stream with a
         final chunk whose unfinished choices have finish_reason "aborted"."""
+        # the server's streamInterval, unless the request asked for more
+        req.stream_interval = max(req.stream_interval, self.defaults.stream_interval)
         stop_event = self.stops.register(stop_key) if stop_key is not None else asyncio.Event()
         # other ingress replicas' stopInfer calls reach this request through the shared registry
         unwatch = self.backend.watch_stop(stop_key, stop_event) if stop_key is not None else None

@@ -132,10 +132,11 @@ class TokenInbox:
                 if isinstance(item, BaseException):
                     raise item
                 # The consumer fell behind (the client, or this event loop): the chunks that
-                # are waiting go out as one, never waiting for more
+                # are waiting go out as one, never waiting for more (an error chunk stays
+                # apart: the tokens before it are sent before the error is)
                 while not item.finished and not queue.empty():
                     later = queue.get_nowait()
-                    if not isinstance(later, ReplicaChunk):
+                    if not isinstance(later, ReplicaChunk) or later.error is not None:
                         held = later
                         break
                     item.absorb(later)

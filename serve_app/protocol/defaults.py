@@ -22,6 +22,7 @@ class ServerDefaults:
     pd_mode: bool = False  # inferMode dmi: refuse what prefill/decode cannot run
     timeout_s: float = DEFAULT_TIMEOUT_S
     priority: int = DEFAULT_PRIORITY
+    stream_interval: int = 1  # ServerConfig.streamInterval: a request may only raise it
 
     def priority_of(self, priority: int | None) -> int:
         return self.priority if priority is None else priority

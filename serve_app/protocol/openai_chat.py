@@ -34,6 +34,7 @@ from serve_app.protocol.openai_common import (
     Priority,
     RepetitionPenalty,
     Seed,
+    StreamInterval,
     StreamOptions,
     StreamUsage,
     TopK,
@@ -132,6 +133,11 @@ class ChatCompletionRequest(StreamUsage, BaseModel):
         None, description="[0, 20] alternatives per token; needs logprobs=true."
     )
     priority: Priority = Field(None, description="[1, 5], 1 first; default 5.")
+    stream_interval: StreamInterval = Field(
+        None,
+        description="[1, 2147483647] tokens per streamed chunk (vLLM's), the first and last "
+        "chunks at once; raises the server's streamInterval, never lowers it.",
+    )
 
     def check(self, pd_mode: bool) -> None:
         """PD refusals first (what PD cannot run is named as such), then the rules across
@@ -192,6 +198,7 @@ class ChatCompletionRequest(StreamUsage, BaseModel):
             stop=self.stop or [],
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            stream_interval=self.stream_interval or 1,
             stream=bool(self.stream),
             logprob_texts=bool(self.logprobs),
         )

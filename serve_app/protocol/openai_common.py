@@ -40,6 +40,7 @@ MaxTokens = Annotated[int | None, Range(0, INT32_MAX, low_open=True)]
 TopK = Annotated[int | None, Range(0, INT32_MAX, low_open=True, also=(-1,))]
 Priority = Annotated[int | None, Range(1, 5)]
 NumSeqs = Annotated[int | None, Range(1, 128)]
+StreamInterval = Annotated[int | None, Range(1, INT32_MAX)]
 
 
 class StreamOptions(BaseModel):

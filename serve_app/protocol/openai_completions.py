@@ -92,6 +92,11 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     priority: common.Priority = Field(None, description="[1, 5], 1 first; default 5.")
+    stream_interval: common.StreamInterval = Field(
+        None,
+        description="[1, 2147483647] tokens per streamed chunk (vLLM's), the first and last "
+        "chunks at once; raises the server's streamInterval, never lowers it.",
+    )
 
     def check(self, pd_mode: bool) -> None:
         """The PD refusals first, then the cross-rules (400 naming the parameter)."""
@@ -165,6 +170,7 @@ class CompletionRequest(BaseModel):
             stop=self.stop or [],
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            stream_interval=self.stream_interval or 1,
             stream=bool(self.stream) and not beam,
             token_texts=self.logprobs is not None,
             logprob_texts=self.logprobs is not None,

@@ -236,9 +236,14 @@ class ModelReplica:
             final = processor.error_chunk(ErrorKind.ENGINE, message)
         if handoff is not None:
             handoff.stamp(final)
+        held = processor.take_held() if final.error is not None else None
         if link is None or not link.alive:
+            if held is not None:  # tokens made before the failure, then the failure
+                yield held
             yield self._final(final)
         else:
+            if held is not None:  # a frame of its own: not folded into the error chunk
+                link.put(held, now=True)
             link.put(self._final(final), now=True)  # written before this Ray stream ends
             await link.drain()
 

@@ -230,6 +230,19 @@ def test_workload_file_and_flags(sb, tmp_path):
     assert args.plot is None and args.targets[0].name == "ours"
 
 
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_stream_interval_is_asked_for_only_when_given(sb, tmp_path, api):
+    args = sb.parse_args([f"--api={api}", "--no-plot"])
+    assert "stream_interval" not in sb.request_body(args, "m", "a b", 8)[1]
+    args = sb.parse_args([f"--api={api}", "--stream-interval=4", "--no-plot"])
+    assert sb.request_body(args, "m", "a b", 8)[1]["stream_interval"] == 4
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"stream_interval": 2}))
+    assert sb.parse_args(["--workload", str(workload), "--no-plot"]).stream_interval == 2
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--stream-interval=0", "--no-plot"])
+
+
 # -- against the server ---------------------------------------------------------------------------
 
 LEVEL_KEYS = {

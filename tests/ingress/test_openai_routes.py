@@ -80,6 +80,9 @@ CHAT_INVALID = [  # (field, value, param named, text the message contains)
     ("stream_options", {"include_usage": True}, "stream_options", "stream is true"),
     ("priority", 0, "priority", "[1, 5]"),
     ("priority", 6, "priority", "[1, 5]"),
+    ("stream_interval", 0, "stream_interval", "[1, 2147483647]"),
+    ("stream_interval", I32 + 1, "stream_interval", "[1, 2147483647]"),
+    ("stream_interval", 2.5, "stream_interval", "integer"),
 ]  # fmt: skip
 
 COMPLETION_INVALID = [
@@ -123,6 +126,8 @@ COMPLETION_INVALID = [
     ("skip_special_tokens", 0, "skip_special_tokens", "boolean"),
     ("priority", 0, "priority", "[1, 5]"),
     ("priority", 6, "priority", "[1, 5]"),
+    ("stream_interval", 0, "stream_interval", "[1, 2147483647]"),
+    ("stream_interval", "4", "stream_interval", "integer"),
 ]
 
 COMPLETION_CROSS = [  # (fields, param named, message text): the completions cross-rules
@@ -548,6 +553,53 @@ def test_completion_stream_n_best_of_equal_and_usage_on_last_chunk(client, kv_id
     usage = events[-1]["usage"]
     check_usage(usage)
     assert usage["completion_tokens"] == 6 and len(usage["batch_size"]) == 3
+    assert kv_idle()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_interval_puts_that_many_tokens_in_each_chunk(client, kv_idle, path):
+    """vLLM's stream_interval: the first chunk at once, then 4 tokens a chunk, the rest last;
+    the text and usage as a token-by-token stream's."""
+    base = COMPLETION if path == "/v1/completions" else CHAT
+    request = {**base, "max_tokens": 11, "ignore_eos": True, "stream": True, "seed": 7}
+    if path == "/v1/completions":
+        request["logprobs"] = 0  # each chunk's tokens, counted
+    else:
+        request.update(logprobs=True, stream_options={"include_usage": True})
+
+    def tokens_and_text(events):
+        sizes, text = [], ""
+        for event in events:
+            for choice in event["choices"]:
+                if path == "/v1/completions":
+                    sizes.append(len(choice["logprobs"]["tokens"]))
+                    text += choice["text"]
+                elif choice.get("logprobs"):
+                    sizes.append(len(choice["logprobs"]["content"]))
+                    text += choice["delta"].get("content") or ""
+        return sizes, text, events[-1]["usage"]["completion_tokens"]
+
+    by_token = tokens_and_text(sse_events(client.post(path, json=request)))
+    by_four = tokens_and_text(sse_events(client.post(path, json={**request, "stream_interval": 4})))
+    assert by_token[0] == [1] * 11
+    assert by_four[0] == [1, 4, 4, 2]
+    assert by_four[1:] == by_token[1:] and by_four[2] == 11
+    assert kv_idle()
+
+
+def test_the_servers_stream_interval_applies_unless_a_request_asks_for_more(route_app, kv_idle):
+    """ServerConfig.streamInterval 3: every stream's chunks carry 3 tokens (first and last
+    aside); a request's stream_interval only raises it."""
+    request = {**COMPLETION, "max_tokens": 11, "ignore_eos": True, "stream": True, "logprobs": 0}
+
+    def sizes(client, **fields):
+        events = sse_events(client.post("/v1/completions", json={**request, **fields}))
+        return [len(c["logprobs"]["tokens"]) for e in events for c in e["choices"]]
+
+    with _app_like(route_app, streamInterval=3) as client:
+        assert sizes(client) == [1, 3, 3, 3, 1]
+        assert sizes(client, stream_interval=2) == [1, 3, 3, 3, 1]
+        assert sizes(client, stream_interval=6) == [1, 6, 4]
     assert kv_idle()
 
 

@@ -530,3 +530,48 @@ def test_a_stop_string_ends_a_socket_stream_there_and_frees_the_blocks(
             stop,
         )
     wait_idle(replica)
+
+
+@pytest.mark.parametrize("path", ["ray", "socket"])
+def test_stream_interval_sends_that_many_tokens_a_chunk_with_nothing_lost(
+    replica, prompt, reference, path
+):
+    """stream_interval 5: the first token at once, then chunks of 5 tokens, the rest last;
+    the same ids, text, token texts and step timings as a chunk per token."""
+    req = request(prompt, greedy(), token_texts=True, stream_interval=5)
+    chunks = collect(replica, req) if path == "ray" else through_token_socket(replica, req)[0]
+    assert [len(ch.choices[0].token_ids) for ch in chunks] == [1, 5, 5, 5, 5, 5, 5, 1]
+    assert joined(chunks, attr="token_ids") == reference.token_ids
+    assert joined(chunks) == reference.text
+    assert joined(chunks, attr="token_texts") == reference.token_texts
+    assert sum(len(ch.steps) for ch in chunks) == 32
+    assert [ch.finished for ch in chunks] == [False] * 7 + [True]
+    wait_idle(replica)
+
+
+@pytest.mark.parametrize("path", ["ray", "socket"])
+def test_tokens_held_by_stream_interval_come_before_an_engine_failure(replica, prompt, path):
+    """The engine fails mid-request while chunks are held back: the held tokens go out as a
+    chunk of their own, then the error chunk (never folded into it, where a stream would lose
+    them)."""
+    req = request(prompt, greedy(LONG), stream_interval=10_000)
+
+    async def fail_after_some_steps():
+        await asyncio.sleep(0.3)
+        replica.engine._fail_all("the engine process died (test)")
+
+    async def run():
+        failing = asyncio.ensure_future(fail_after_some_steps())
+        if path == "ray":
+            chunks = await collect_async(replica.generate(req))
+        else:
+            chunks = await asyncio.to_thread(lambda: through_token_socket(replica, req)[0])
+        await failing
+        return chunks
+
+    first, held, error = asyncio.run(run())
+    assert len(first.choices[0].token_ids) == 1 and not first.finished
+    assert len(held.choices[0].token_ids) > 1 and held.error is None and not held.finished
+    assert error.finished and error.error_kind == "engine" and not error.choices
+    replica.engine.abort(req.request_id)  # the engine itself never failed: end its request
+    wait_idle(replica, timeout=10)

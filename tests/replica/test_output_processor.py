@@ -38,3 +38,74 @@ def test_eos_text_is_hidden_unless_asked_even_with_special_tokens_kept(
     assert ("<|im_end|>" in choice.text) == expect_eos_text
     assert choice.text.startswith("Hello there")
     assert len(choice.token_texts) == len(ids)
+
+
+def _stream_of(tokenizer, ids, interval, stop=(), last_reason=FinishReason.LENGTH, n_steps=None):
+    """The chunks a streamed request gets for `ids`, one engine step per token."""
+    req = ReplicaRequest(
+        "r", [1, 2, 3], SamplingParams(), stream=True, stop=list(stop), stream_interval=interval
+    )
+    processor = OutputProcessor(req, tokenizer)
+    chunks = []
+    steps = len(ids) if n_steps is None else n_steps
+    for i in range(steps):
+        last = i == len(ids) - 1
+        co = CompletionOutput(
+            0, ids[: i + 1], [ids[i]], finish_reason=last_reason if last else None
+        )
+        chunk = processor.process(RequestOutput("r", [1, 2, 3], [co], finished=last))
+        if chunk is not None:
+            chunks.append(chunk)
+        if chunk is not None and chunk.finished:
+            break
+    return chunks, processor
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3, 4, 50])
+def test_stream_interval_holds_tokens_but_not_the_first_nor_the_last(tokenizer, interval):
+    ids = tokenizer.encode("one two three four five six seven eight nine ten")
+    chunks, _ = _stream_of(tokenizer, ids, interval)
+    sizes = [len(c.choices[0].token_ids) for c in chunks]
+    assert sizes[0] == 1  # the first token is never held
+    assert all(size == interval for size in sizes[1:-1])
+    assert 1 <= sizes[-1] <= interval and chunks[-1].finished
+    assert not any(c.finished for c in chunks[:-1])
+    every, _ = _stream_of(tokenizer, ids, 1)  # the same tokens and text as token by token
+    assert [t for c in chunks for t in c.choices[0].token_ids] == ids
+    assert "".join(c.choices[0].text for c in chunks) == "".join(c.choices[0].text for c in every)
+    assert sum(len(c.steps) for c in chunks) == len(ids)  # each step's facts kept
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stream_interval_ends_at_a_stop_string_with_the_held_tokens(tokenizer):
+    ids = tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta")
+    chunks, _ = _stream_of(tokenizer, ids, 4, stop=["delta"], last_reason=None)
+    assert chunks[-1].finished and chunks[-1].choices[0].finish_reason == "stop_string"
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == "alpha beta gamma " and "delta" not in text
+
+
+def test_stream_interval_hands_over_what_it_holds_before_a_failure(tokenizer):
+    ids = tokenizer.encode("one two three four five six")
+    chunks, processor = _stream_of(tokenizer, ids, 10, n_steps=4)
+    assert len(chunks) == 1  # the first token; three more held
+    held = processor.take_held()
+    assert held is not None and held.choices[0].token_ids == ids[1:4] and not held.finished
+    assert processor.take_held() is None
+
+
+def test_stream_interval_does_not_touch_non_stream_requests(tokenizer):
+    ids = tokenizer.encode("one two three")
+    req = ReplicaRequest("r", [1, 2, 3], SamplingParams(), stream=False, stream_interval=2)
+    processor = OutputProcessor(req, tokenizer)
+    outputs = [
+        RequestOutput(
+            "r",
+            [1, 2, 3],
+            [CompletionOutput(0, ids[: i + 1], [t], FinishReason.LENGTH if i == 2 else None)],
+            finished=i == 2,
+        )  # fmt: skip
+        for i, t in enumerate(ids[:3])
+    ]
+    chunks = [c for c in map(processor.process, outputs) if c is not None]
+    assert len(chunks) == 1 and chunks[0].choices[0].token_ids == ids[:3]
