@@ -209,6 +209,10 @@ class ReplicaChunk:
             self.handoff_ms = later.handoff_ms
         self.kv_bytes = self.kv_bytes or later.kv_bytes
         self.kv_recomputed = self.kv_recomputed or later.kv_recomputed
+        mine, theirs = self.choices, later.choices
+        if len(mine) == len(theirs) == 1 and mine[0].index == theirs[0].index:
+            mine[0].absorb(theirs[0])  # the common case (one choice), without the sort
+            return
         by_index = {choice.index: choice for choice in self.choices}
         for delta in later.choices:
             if delta.index not in by_index:

@@ -155,6 +155,16 @@ def test_pd_output_equals_colocated(colocated, prefill, decode, prompt, sampling
     assert chunks[-1].stats["num_kv_imports"] >= 1
 
 
+def test_a_decode_replica_holds_chunks_for_stream_interval(colocated, prefill, decode, prompt):
+    """PD with stream_interval 4: the prefill's first token at once, then the decode's first
+    chunk (with the hand-off facts) at once, then 4 tokens a chunk; the same tokens and text as
+    colocated."""
+    req = request(prompt, params(), token_texts=True, stream_interval=4)
+    _, chunks = assert_pd_equals_colocated(colocated, prefill, decode, req)
+    assert [len(c.choices[0].token_ids) for c in chunks] == [1, 4, 4, 2]
+    assert chunks[0].handoff_ms is not None
+
+
 def test_limit_from_max_iter_times_gives_one_token_more(prefill, decode, prompt):
     _, chunks = run_pd(prefill, decode, request(prompt, params(None), stream=False))
     (choice,) = chunks[-1].choices
