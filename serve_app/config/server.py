@@ -106,10 +106,9 @@ class ServerConfig(BaseModel):
         description=(
             "(extension) Tokens per streamed chunk, 1 to 1024: a stream's chunks are held "
             "back until they carry this many new tokens each; its first and last chunks go at "
-            "once. 1 sends "
-            "every token as it comes; larger values cut the serving path's work per token at "
-            "the cost of burstier streams (vLLM's --stream-interval). OpenAI requests may raise "
-            "it for themselves with stream_interval."
+            "once. 1 sends every token as it comes; larger values cut the serving path's work "
+            "per token at the cost of burstier streams (vLLM's --stream-interval). OpenAI "
+            "requests may raise it for themselves with stream_interval."
         ),
     )
 
