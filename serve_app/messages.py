@@ -121,8 +121,7 @@ class ReplicaRequest:
     token_texts: bool = False  # fill ChoiceDelta.token_texts (per-token text for token events)
     logprob_texts: bool = False  # fill TokenLogprobText.token/top as decoded strings
     reply_to: StreamAddress | None = None  # the ingress's token socket, when it has one
-    # stream: chunks carry at least this many new tokens each, but the first and the last
-    stream_interval: int = 1
+    stream_interval: int = 1  # stream: new tokens per chunk (but the first and the last)
 
 
 @dataclass(slots=True)
@@ -211,8 +210,7 @@ class ReplicaChunk:
         self.kv_recomputed = self.kv_recomputed or later.kv_recomputed
         mine, theirs = self.choices, later.choices
         if len(mine) == len(theirs) == 1 and mine[0].index == theirs[0].index:
-            mine[0].absorb(theirs[0])  # the common case (one choice), without the sort
-            return
+            return mine[0].absorb(theirs[0])  # the common case (one choice), without a sort
         by_index = {choice.index: choice for choice in self.choices}
         for delta in later.choices:
             if delta.index not in by_index:

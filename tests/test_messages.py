@@ -37,3 +37,9 @@ def test_the_final_chunks_facts_win():
     first = chunk(delta(0, [1], "a"))
     first.absorb(chunk(delta(0, [2], "b"), finished=True, num_prompt_tokens=7, error="e"))
     assert first.finished and first.num_prompt_tokens == 7 and first.error == "e"
+
+
+def test_one_choice_each_of_different_indices_are_two_choices():
+    first = chunk(delta(1, [5], "x"))
+    first.absorb(chunk(delta(0, [1], "a")))
+    assert [(c.index, c.token_ids) for c in first.choices] == [(0, [1]), (1, [5])]

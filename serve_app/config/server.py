@@ -107,8 +107,8 @@ class ServerConfig(BaseModel):
             "(extension) Tokens per streamed chunk, 1 to 1024: a stream's chunks are held "
             "back until they carry this many new tokens each; its first and last chunks go at "
             "once. 1 sends every token as it comes; larger values cut the serving path's work "
-            "per token at the cost of burstier streams (vLLM's --stream-interval). OpenAI "
-            "requests may raise it for themselves with stream_interval."
+            "per token at the cost of burstier streams (vLLM's --stream-interval). Chat and "
+            "completions requests may raise it for themselves with stream_interval."
         ),
     )
 

@@ -236,7 +236,7 @@ class ModelReplica:
             final = processor.error_chunk(ErrorKind.ENGINE, message)
         if handoff is not None:
             handoff.stamp(final)
-        held = processor.take_held() if final.error is not None else None
+        held = processor.hold.take() if final.error is not None else None  # stream_interval's
         if link is None or not link.alive:
             if held is not None:  # tokens made before the failure, then the failure
                 yield held

@@ -5,10 +5,7 @@ incremental detokenizer and stop matcher, fed one token at a time, so a stop str
 the exact token that completes it: the processor then marks that choice finished, and once every
 choice is finished the replica leaves the engine stream, which aborts the engine request at that
 step and frees its KV blocks. Nothing after a stop string is ever emitted.
-
-A streamed request's `stream_interval` (the server's `streamInterval`, raised per request by
-the OpenAI routes' `stream_interval`) holds chunks back until they carry that many new tokens
-each: the first chunk and the last go at once, and stop strings are still matched per token.
+A streamed request's `stream_interval` holds its chunks back (`stream_interval.ChunkHold`).
 """
 
 from __future__ import annotations
@@ -28,15 +25,12 @@ from serve_app.messages import (
     StepInfo,
     TokenLogprobText,
 )
+from serve_app.replica.stream_interval import ChunkHold
 from serve_app.tokenizer.detokenizer import IncrementalDetokenizer
 from serve_app.tokenizer.stop import StopMatcher
 
 logger = logging.getLogger(__name__)
-
-
-def _new_tokens(chunk: ReplicaChunk) -> int:
-    """The engine steps' worth of tokens in a chunk: its longest choice's new tokens."""
-    return max((len(c.token_ids) for c in chunk.choices), default=0)
+_TIMEOUT = FinishReason.TIMEOUT.value
 
 
 def _step_info(m: StepMetrics) -> StepInfo:
@@ -83,9 +77,7 @@ class OutputProcessor:
         # non-stream: everything folded into one final chunk
         self._folded: dict[int, ChoiceDelta] = {}
         self._steps: list[StepInfo] = []
-        # stream_interval > 1: what is held back until that many new tokens are in it
-        self._held: ReplicaChunk | None = None
-        self._sent_any = False
+        self.hold = ChunkHold(req.stream_interval)  # stream_interval: chunks held back
 
     @property
     def all_finished(self) -> bool:
@@ -114,14 +106,10 @@ class OutputProcessor:
             if not deltas and not done:
                 return None
             chunk = ReplicaChunk(self.req.request_id, choices=deltas, steps=steps)
-            if self._held is not None:  # what was held goes first, in the same chunk
-                held, self._held = self._held, None
-                held.absorb(chunk)
-                chunk = held
-            if not done and self._sent_any and _new_tokens(chunk) < self.req.stream_interval:
-                self._held = chunk
+            timeout = done and any(c.finish_reason == _TIMEOUT for c in chunk.choices)
+            chunk = self.hold.pass_on(chunk, done, error=timeout)  # a timeout is an error
+            if chunk is None:
                 return None
-            self._sent_any = True
         else:
             for delta in deltas:
                 self._fold(delta)
@@ -133,12 +121,6 @@ class OutputProcessor:
         if done:
             self._finish_chunk(chunk)
         return chunk
-
-    def take_held(self) -> ReplicaChunk | None:
-        """The chunk held back for stream_interval, if any, now (sent before an error chunk
-        ends the stream: tokens made before a failure still reach the client)."""
-        held, self._held = self._held, None
-        return held
 
     def process_all(self, outputs: list[RequestOutput]) -> ReplicaChunk | None:
         """One chunk for the outputs of consecutive engine steps (what a consumer that fell
@@ -308,7 +290,7 @@ class OutputProcessor:
     def _finish_chunk(self, chunk: ReplicaChunk) -> None:
         chunk.finished = True
         chunk.num_prompt_tokens = len(self.req.prompt_token_ids)
-        if any(c.finish_reason == FinishReason.TIMEOUT.value for c in chunk.choices):
+        if any(c.finish_reason == _TIMEOUT for c in chunk.choices):
             chunk.error_kind = ErrorKind.TIMEOUT
             limit = self.req.timeout_s
             chunk.error = (

@@ -40,10 +40,11 @@ class Relay:
             if isinstance(item, Exception):
                 raise item
             chunk = chunk_of(processor, [item], self.handoff)
-            if chunk is None:
-                return
-            if not self.link.alive:  # the ingress's side closed
+            # the ingress's side closed: noticed at every output, also while chunks are held
+            if not self.link.alive:
                 chunk = processor.error_chunk(ErrorKind.ENGINE, SOCKET_CLOSED)
+            elif chunk is None:
+                return
         except Exception as exc:  # an engine refusal or failure, or a bug here
             chunk = processor.failure_chunk(exc)
         if chunk.finished:

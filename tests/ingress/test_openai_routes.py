@@ -596,10 +596,20 @@ def test_the_servers_stream_interval_applies_unless_a_request_asks_for_more(rout
         events = sse_events(client.post("/v1/completions", json={**request, **fields}))
         return [len(c["logprobs"]["tokens"]) for e in events for c in e["choices"]]
 
+    def infer_events(client, path, body):
+        response = client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        return [line for line in response.text.splitlines() if line.startswith("data: ")]
+
+    triton = {"text_input": "Hello", "parameters": {"max_new_tokens": 11, "ignore_eos": True}}
+    infer = {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 11}}
     with _app_like(route_app, streamInterval=3) as client:
         assert sizes(client) == [1, 3, 3, 3, 1]
         assert sizes(client, stream_interval=2) == [1, 3, 3, 3, 1]
         assert sizes(client, stream_interval=6) == [1, 6, 4]
+        # every family: Triton's stream has an event per chunk, /infer still one per token
+        assert len(infer_events(client, "/v2/models/demo/generate_stream", triton)) == 5
+        assert len(infer_events(client, "/infer", infer)) == 11
     assert kv_idle()
 
 

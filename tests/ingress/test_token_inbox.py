@@ -172,6 +172,36 @@ def test_a_request_that_fell_behind_gets_what_waits_as_one_chunk():
     assert [c.finished for c in got] == [False, True] and got[1].choices[0].text == "<1><2><3>"
 
 
+def test_an_error_chunk_is_never_folded_into_the_tokens_before_it():
+    """Tokens and then an error chunk wait for a busy consumer: the tokens come out first, on
+    their own (folded into the error chunk, a stream would drop them), then the error."""
+
+    async def run():
+        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        req, response = request("r1"), Response()
+        stream = inbox.stream(req, lambda: response)
+        first = asyncio.ensure_future(anext(stream))
+        while req.reply_to is None:
+            await asyncio.sleep(0.01)
+        link = await outbox.link(req.reply_to)
+        link.put(chunk("r1", 0))
+        got = [await first]
+        link.put(chunk("r1", 1), now=True)
+        link.put(chunk("r1", 2), now=True)
+        failed = ReplicaChunk("r1", finished=True, error="engine died", error_kind="engine")
+        link.put(failed, now=True)
+        await asyncio.sleep(0.05)  # all three wait for the consumer
+        response.ended.set()
+        got += await read_all(stream)
+        inbox.close()
+        outbox.close()
+        return got
+
+    got = asyncio.run(run())
+    assert [c.choices[0].token_ids if c.choices else None for c in got] == [[0], [1, 2], None]
+    assert [c.error for c in got] == [None, None, "engine died"]
+
+
 def test_a_replica_on_another_node_or_without_a_socket_streams_through_ray():
     async def run():
         inbox = TokenInbox(NODE)

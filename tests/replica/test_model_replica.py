@@ -550,14 +550,28 @@ def test_stream_interval_sends_that_many_tokens_a_chunk_with_nothing_lost(
 
 
 @pytest.mark.parametrize("path", ["ray", "socket"])
-def test_tokens_held_by_stream_interval_come_before_an_engine_failure(replica, prompt, path):
+def test_tokens_held_by_stream_interval_come_before_an_engine_failure(
+    replica, prompt, path, monkeypatch
+):
     """The engine fails mid-request while chunks are held back: the held tokens go out as a
     chunk of their own, then the error chunk (never folded into it, where a stream would lose
     them)."""
+    from serve_app.replica.output_processor import OutputProcessor
+
     req = request(prompt, greedy(LONG), stream_interval=10_000)
+    outputs, process = 0, OutputProcessor.process
+
+    def counted(self, output):
+        nonlocal outputs
+        outputs += self.req.request_id == req.request_id
+        return process(self, output)
+
+    monkeypatch.setattr(OutputProcessor, "process", counted)
 
     async def fail_after_some_steps():
-        await asyncio.sleep(0.3)
+        end = time.monotonic() + 30
+        while outputs < 8 and time.monotonic() < end:
+            await asyncio.sleep(0.01)
         replica.engine._fail_all("the engine process died (test)")
 
     async def run():
@@ -571,7 +585,7 @@ def test_tokens_held_by_stream_interval_come_before_an_engine_failure(replica, p
 
     first, held, error = asyncio.run(run())
     assert len(first.choices[0].token_ids) == 1 and not first.finished
-    assert len(held.choices[0].token_ids) > 1 and held.error is None and not held.finished
+    assert len(held.choices[0].token_ids) >= 7 and held.error is None and not held.finished
     assert error.finished and error.error_kind == "engine" and not error.choices
     replica.engine.abort(req.request_id)  # the engine itself never failed: end its request
     wait_idle(replica, timeout=10)

@@ -89,9 +89,9 @@ def test_stream_interval_hands_over_what_it_holds_before_a_failure(tokenizer):
     ids = tokenizer.encode("one two three four five six")
     chunks, processor = _stream_of(tokenizer, ids, 10, n_steps=4)
     assert len(chunks) == 1  # the first token; three more held
-    held = processor.take_held()
+    held = processor.hold.take()
     assert held is not None and held.choices[0].token_ids == ids[1:4] and not held.finished
-    assert processor.take_held() is None
+    assert processor.hold.take() is None
 
 
 def test_stream_interval_does_not_touch_non_stream_requests(tokenizer):
@@ -109,3 +109,86 @@ def test_stream_interval_does_not_touch_non_stream_requests(tokenizer):
     ]
     chunks = [c for c in map(processor.process, outputs) if c is not None]
     assert len(chunks) == 1 and chunks[0].choices[0].token_ids == ids[:3]
+
+
+def test_a_timeout_leaves_the_held_tokens_out_of_its_error_chunk(tokenizer):
+    """The request times out while tokens are held: its final chunk (an error, which a stream
+    does not render as tokens) has only the timed-out step's; hold.take() gives the rest, sent
+    before it."""
+    ids = tokenizer.encode("one two three four five six")
+    chunks, processor = _stream_of(tokenizer, ids, 10, n_steps=4)
+    timeout = CompletionOutput(0, [], [], finish_reason=FinishReason.TIMEOUT)
+    final = processor.process(RequestOutput("r", [1, 2, 3], [timeout], finished=True))
+    assert final.finished and final.error_kind == "timeout" and final.choices[0].token_ids == []
+    held = processor.hold.take()
+    assert [t for c in [*chunks, held] for t in c.choices[0].token_ids] == ids[:4]
+
+
+def test_stream_interval_with_two_choices_loses_nothing_when_one_stops_early(tokenizer):
+    """n = 2: choice 0 ends on a stop string while choice 1 goes on; both choices' tokens and
+    finish reasons all arrive, each choice's text as a token-by-token stream's."""
+    ids = tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta iota kappa")
+    req = ReplicaRequest(
+        "r", [1, 2, 3], SamplingParams(n=2), stream=True, stop=["gamma"], stream_interval=3
+    )
+    processor, chunks = OutputProcessor(req, tokenizer), []
+    words = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+    other = tokenizer.encode(words)[: len(ids)]  # choice 1 never meets the stop string
+    assert len(other) == len(ids)
+    for i in range(len(ids)):
+        last = i == len(ids) - 1
+        reason = FinishReason.LENGTH if last else None
+        outputs = [
+            CompletionOutput(0, ids[: i + 1], [ids[i]], finish_reason=reason),
+            CompletionOutput(1, other[: i + 1], [other[i]], finish_reason=reason),
+        ]
+        chunk = processor.process(RequestOutput("r", [1, 2, 3], outputs, finished=last))
+        if chunk is not None:
+            chunks.append(chunk)
+    assert chunks[-1].finished
+    deltas = {0: [], 1: []}
+    for chunk in chunks:
+        for delta in chunk.choices:
+            deltas[delta.index].append(delta)
+    assert "".join(d.text for d in deltas[0]) == "alpha beta "
+    assert [d.finish_reason for d in deltas[0] if d.finish_reason] == ["stop_string"]
+    assert [t for d in deltas[1] for t in d.token_ids] == other
+    assert [d.finish_reason for d in deltas[1] if d.finish_reason] == ["length"]
+
+
+class _Link:
+    """Stands in for a token socket link: records what is put; `alive` as the test sets it."""
+
+    def __init__(self) -> None:
+        self.alive, self.put_chunks = True, []
+
+    def put(self, chunk, now=False) -> None:
+        self.put_chunks.append(chunk)
+
+
+def test_a_link_that_closed_ends_the_request_even_while_chunks_are_held(tokenizer):
+    """Relay: the ingress's socket closes while stream_interval holds the request's chunks;
+    the very next output ends the request (and so frees its blocks), not the next release."""
+    import asyncio
+
+    from serve_app.replica.relay import SOCKET_CLOSED, Relay
+
+    ids = tokenizer.encode("one two three four five six")
+    req = ReplicaRequest("r", [1, 2, 3], SamplingParams(), stream=True, stream_interval=1000)
+
+    def output(i):
+        return RequestOutput("r", [1, 2, 3], [CompletionOutput(0, ids[: i + 1], [ids[i]])])
+
+    async def run():
+        link = _Link()
+        relay = Relay(OutputProcessor(req, tokenizer), link)
+        relay.take(output(0))  # the first chunk goes at once
+        relay.take(output(1))  # held
+        link.alive = False
+        relay.take(output(2))
+        return link, relay
+
+    link, relay = asyncio.run(run())
+    assert [c.choices[0].token_ids for c in link.put_chunks] == [ids[:1]]
+    final = relay.final.result()
+    assert final.finished and final.error == SOCKET_CLOSED
