@@ -144,9 +144,9 @@ def test_chunks_of_one_request_put_in_one_loop_turn_travel_as_one():
     assert got[-1].stats == {"num_running": 0} and inbox.num_chunks == 2
 
 
-def test_a_request_that_fell_behind_gets_what_waits_as_one_chunk():
-    """Chunks that arrive while the request's consumer is busy come out folded into one; one
-    that finds the consumer waiting comes out at once, alone (a first token is never held)."""
+def behind(later) -> list[ReplicaChunk]:
+    """Request r1 through an inbox: its first chunk (token 0) is read as soon as it comes, then
+    `later(link)` puts more while the consumer is busy elsewhere; everything read."""
 
     async def run():
         inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
@@ -158,16 +158,26 @@ def test_a_request_that_fell_behind_gets_what_waits_as_one_chunk():
         link = await outbox.link(req.reply_to)
         link.put(chunk("r1", 0))
         got = [await first]  # alone, as soon as it came
-        for step in (1, 2, 3):  # three steps while the consumer is busy elsewhere
-            link.put(chunk("r1", step, finished=step == 3))
-            await asyncio.sleep(0.01)
+        await later(link)
         response.ended.set()
         got += await read_all(stream)
         inbox.close()
         outbox.close()
         return got
 
-    got = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_request_that_fell_behind_gets_what_waits_as_one_chunk():
+    """Chunks that arrive while the request's consumer is busy come out folded into one; one
+    that finds the consumer waiting comes out at once, alone (a first token is never held)."""
+
+    async def three_steps(link):
+        for step in (1, 2, 3):
+            link.put(chunk("r1", step, finished=step == 3))
+            await asyncio.sleep(0.01)
+
+    got = behind(three_steps)
     assert [c.choices[0].token_ids for c in got] == [[0], [1, 2, 3]]
     assert [c.finished for c in got] == [False, True] and got[1].choices[0].text == "<1><2><3>"
 
@@ -176,28 +186,14 @@ def test_an_error_chunk_is_never_folded_into_the_tokens_before_it():
     """Tokens and then an error chunk wait for a busy consumer: the tokens come out first, on
     their own (folded into the error chunk, a stream would drop them), then the error."""
 
-    async def run():
-        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
-        req, response = request("r1"), Response()
-        stream = inbox.stream(req, lambda: response)
-        first = asyncio.ensure_future(anext(stream))
-        while req.reply_to is None:
-            await asyncio.sleep(0.01)
-        link = await outbox.link(req.reply_to)
-        link.put(chunk("r1", 0))
-        got = [await first]
+    async def tokens_then_error(link):
         link.put(chunk("r1", 1), now=True)
         link.put(chunk("r1", 2), now=True)
         failed = ReplicaChunk("r1", finished=True, error="engine died", error_kind="engine")
         link.put(failed, now=True)
         await asyncio.sleep(0.05)  # all three wait for the consumer
-        response.ended.set()
-        got += await read_all(stream)
-        inbox.close()
-        outbox.close()
-        return got
 
-    got = asyncio.run(run())
+    got = behind(tokens_then_error)
     assert [c.choices[0].token_ids if c.choices else None for c in got] == [[0], [1, 2], None]
     assert [c.error for c in got] == [None, None, "engine died"]
 
