@@ -52,6 +52,19 @@ def test_completions_non_stream_and_stream(oai, kv_idle):
     assert kv_idle()
 
 
+def test_stream_interval_through_extra_body(oai, kv_idle):
+    """vLLM's stream_interval as the README shows it: 9 tokens in chunks of 1, 4 and 4."""
+    chunks = list(
+        oai.completions.create(
+            model="demo", prompt="who are you", max_tokens=9, temperature=0, stream=True,
+            logprobs=0, extra_body={"ignore_eos": True, "stream_interval": 4},
+        )
+    )  # fmt: skip
+    sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices]
+    assert sizes == [1, 4, 4] and chunks[-1].usage.completion_tokens == 9
+    assert kv_idle()
+
+
 def test_errors_raise_the_clients_exceptions(oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(
