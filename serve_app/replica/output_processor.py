@@ -30,7 +30,6 @@ from serve_app.tokenizer.detokenizer import IncrementalDetokenizer
 from serve_app.tokenizer.stop import StopMatcher
 
 logger = logging.getLogger(__name__)
-_TIMEOUT = FinishReason.TIMEOUT.value
 
 
 def _step_info(m: StepMetrics) -> StepInfo:
@@ -106,10 +105,6 @@ class OutputProcessor:
             if not deltas and not done:
                 return None
             chunk = ReplicaChunk(self.req.request_id, choices=deltas, steps=steps)
-            timeout = done and any(c.finish_reason == _TIMEOUT for c in chunk.choices)
-            chunk = self.hold.pass_on(chunk, done, error=timeout)  # a timeout is an error
-            if chunk is None:
-                return None
         else:
             for delta in deltas:
                 self._fold(delta)
@@ -120,7 +115,7 @@ class OutputProcessor:
             chunk = ReplicaChunk(self.req.request_id, choices=choices, steps=self._steps)
         if done:
             self._finish_chunk(chunk)
-        return chunk
+        return self.hold.pass_on(chunk) if self.req.stream else chunk
 
     def process_all(self, outputs: list[RequestOutput]) -> ReplicaChunk | None:
         """One chunk for the outputs of consecutive engine steps (what a consumer that fell
@@ -290,7 +285,7 @@ class OutputProcessor:
     def _finish_chunk(self, chunk: ReplicaChunk) -> None:
         chunk.finished = True
         chunk.num_prompt_tokens = len(self.req.prompt_token_ids)
-        if any(c.finish_reason == _TIMEOUT for c in chunk.choices):
+        if any(c.finish_reason == FinishReason.TIMEOUT.value for c in chunk.choices):
             chunk.error_kind = ErrorKind.TIMEOUT
             limit = self.req.timeout_s
             chunk.error = (

@@ -21,14 +21,14 @@ class ChunkHold:
         self._held: ReplicaChunk | None = None
         self._sent_any = False
 
-    def pass_on(self, chunk: ReplicaChunk, done: bool, error: bool) -> ReplicaChunk | None:
-        """The chunk to send now, with what was held before it; None while it is held.
-        done: the request's final chunk; error: a final chunk that is an error."""
-        if self._held is not None and not error:
+    def pass_on(self, chunk: ReplicaChunk) -> ReplicaChunk | None:
+        """The chunk to send now, with what was held before it; None while it is held. A final
+        chunk (`finished`) goes at once, with what was held unless it is an error."""
+        if self._held is not None and chunk.error is None:
             held, self._held = self._held, None
             held.absorb(chunk)
             chunk = held
-        if not done and self._sent_any and _new_tokens(chunk) < self.interval:
+        if not chunk.finished and self._sent_any and _new_tokens(chunk) < self.interval:
             self._held = chunk
             return None
         self._sent_any = True
