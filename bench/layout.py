@@ -1,0 +1,242 @@
+"""The engine in the server's CPU layout against torch's threads on every core, in one process.
+
+    .venv/bin/python bench/layout.py                          # demo, bfloat16, 32 x 128 x 128
+    .venv/bin/python bench/layout.py --engine-cpus 3 --spare-cpus 0-2 --rounds 6
+    .venv/bin/python bench/layout.py --dtype float32 --out bench/results/layout-fp32.json
+
+The server's default layout on CPU (deployments.yaml: engineProcess, engineCpus, engineSpareCpus)
+runs the step loop on its own cores with a torch thread each and lends it helper threads on the
+serving path's cores at idle priority; the offline figure that bench/http_vs_offline.py compares
+HTTP with (bench/engine.py) gives torch a thread on every core. What HTTP keeps of the offline
+engine is the product of two shares: what the layout keeps on an idle machine (measured here)
+and what the serving path leaves of the helpers' cores (http_vs_offline.py's CPU split).
+
+On a machine whose speed drifts, two processes measured a minute apart differ by more than the
+layouts do, so one engine switches layout between rounds (the process's cores, torch's threads,
+the helpers) and each round runs the same workload in both: every prompt prefilled in one step,
+then the decode steps (EOS ignored). Per layout it reports the median prefill step, decode step
+and tokens/s over the rounds, the served layout's ratio to the other, and how the shared chunks
+were split (the step loop's, the helpers', and the helpers' that the step loop took back).
+Linux, the engine's CPU kernels and two cores or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importable by a test
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from common import RESULTS_DIR, Run, log, machine_info, seeded_prompts  # noqa: E402
+
+from serve_app.engine import EngineRequest, SamplingParams, cpu_kernels  # noqa: E402
+from serve_app.engine.cpus import (  # noqa: E402
+    available_cores,
+    bind_process,
+    format_cpus,
+    lend_spare_cores,
+    parse_cpus,
+)
+
+LAYOUTS = ("served", "all_cores")
+
+
+class Layouts:
+    """Switches this process between the served layout (bound to `engine`, a torch thread per
+    core of it, helpers on `spare`) and torch's threads on every core of `every`."""
+
+    def __init__(self, engine: tuple[int, ...], spare: tuple[int, ...], every: set[int]):
+        self.engine, self.spare, self.every = engine, spare, every
+        self._use = cpu_kernels.op("use_spare_cpus")
+        self._stats = cpu_kernels.op("spare_cores_stats")
+
+    def switch(self, layout: str) -> None:
+        self._use([])  # no helpers while the process's cores change (they keep to their own)
+        if layout == "served":
+            bind_process(self.engine)
+            torch.set_num_threads(len(self.engine))
+            if lend_spare_cores(self.spare) != len(self.spare):
+                raise RuntimeError(f"helpers on cores {format_cpus(self.spare)} did not start")
+        else:
+            bind_process(self.every)
+            torch.set_num_threads(len(self.every))
+
+    def chunks(self) -> list[int]:
+        """Chunks so far: the step loop's, the helpers', taken back from late helpers."""
+        return list(self._stats())[:3]
+
+
+def check_cores(engine: tuple[int, ...], spare: tuple[int, ...], every: set[int]) -> None:
+    if cpu_kernels.op("use_spare_cpus") is None:
+        raise SystemExit("layout: the engine's CPU kernels are not built here (see cpu_kernels)")
+    if not engine or not spare or set(engine) & set(spare):
+        raise SystemExit("layout: --engine-cpus and --spare-cpus must be two disjoint core lists")
+    missing = (set(engine) | set(spare)) - every
+    if missing:
+        raise SystemExit(f"layout: cores {format_cpus(missing)} are not available here "
+                         f"(this process may use {format_cpus(every)})")  # fmt: skip
+
+
+def engine_args(args) -> argparse.Namespace:
+    """bench/engine.py's sizing of our engine (build_ours) for this workload: every prompt
+    prefilled in one step."""
+    return argparse.Namespace(
+        model=args.model, prompt_len=args.prompt_len, output_len=args.output_len,
+        requests=args.requests, prefill_tokens=args.requests * args.prompt_len,
+        block_size=args.block_size, enforce_eager=False,
+    )  # fmt: skip
+
+
+def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """The prompts together: the first step (every prefill) and each decode step timed."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"layout-{i}-{time.monotonic_ns()}", prompt, params))
+    steps, tokens = [], 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        steps.append(time.perf_counter() - step_start)
+        tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
+    wall = time.perf_counter() - start
+    return {
+        "prefill_ms": 1e3 * steps[0],
+        "decode_step_ms": 1e3 * statistics.median(steps[1:]) if len(steps) > 1 else None,
+        "tokens_per_s": tokens / wall,
+    }
+
+
+def _figures(result: dict) -> str:
+    step = result["decode_step_ms"]
+    decode = "no decode step" if step is None else f"decode step {step:.2f} ms"
+    return f"prefill {result['prefill_ms']:.1f} ms, {decode}, {result['tokens_per_s']:.1f} tokens/s"
+
+
+def summarize(rounds: dict[str, list[dict]]) -> dict:
+    """Per layout the medians over the rounds; the served layout's ratios to the other (time:
+    > 1 is slower; throughput: < 1 keeps less)."""
+    medians = {
+        layout: {
+            key: statistics.median(r[key] for r in runs if r[key] is not None)
+            for key in ("prefill_ms", "decode_step_ms", "tokens_per_s")
+            if any(r[key] is not None for r in runs)
+        }
+        for layout, runs in rounds.items()
+    }
+    served, other = medians["served"], medians["all_cores"]
+    ratios = {key: served[key] / other[key] for key in served if key in other and other[key]}
+    return {"medians": medians, "served_over_all_cores": ratios}
+
+
+def measure(args, llm, layouts: Layouts) -> dict:
+    rounds: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+    chunks = [0, 0, 0]
+    for layout in LAYOUTS:  # warm each layout once (thread pools, the chunk sizes' speeds)
+        layouts.switch(layout)
+        run_once(llm, seeded_prompts(args.requests, args.prompt_len, args.seed + 1), 4)
+    for r in range(args.rounds):
+        prompts = seeded_prompts(args.requests, args.prompt_len, args.seed + 100 + r)
+        for layout in LAYOUTS if r % 2 == 0 else reversed(LAYOUTS):
+            layouts.switch(layout)
+            before = layouts.chunks()
+            result = run_once(llm, prompts, args.output_len)
+            if layout == "served":
+                after = layouts.chunks()
+                chunks = [c + b - a for c, a, b in zip(chunks, before, after, strict=True)]
+            rounds[layout].append(result)
+            log(f"round {r + 1} {layout}: " + _figures(result))
+    return {
+        "rounds": rounds,
+        **summarize(rounds),
+        "served_chunks_per_round": {
+            name: c / args.rounds
+            for name, c in zip(("step_loop", "helpers", "taken_back"), chunks, strict=True)
+        },
+    }
+
+
+def _row(label: str, figures: dict, formats: tuple[str, str, str]) -> str:
+    keys, widths = ("prefill_ms", "decode_step_ms", "tokens_per_s"), (10, 15, 9)
+    columns = zip(keys, widths, formats, strict=True)
+    cells = (format(figures.get(key, float("nan")), f"{w}{f}") for key, w, f in columns)
+    return f"{label:56s} " + " ".join(cells)
+
+
+def print_table(result: dict, engine: tuple[int, ...], spare: tuple[int, ...], every) -> None:
+    m, ratio = result["medians"], result["served_over_all_cores"]
+    labels = {
+        "served": f"served: step loop on {format_cpus(engine)}, helpers on {format_cpus(spare)}",
+        "all_cores": f"all cores: {len(every)} torch threads",
+    }
+    print(f"\n{'layout':56s} {'prefill ms':>10s} {'decode step ms':>15s} {'tokens/s':>9s}")
+    for layout in LAYOUTS:
+        print(_row(labels[layout], m[layout], (".1f", ".2f", ".1f")))
+    print(_row("served / all cores", ratio, (".3f", ".3f", ".3f")))
+    split = result["served_chunks_per_round"]
+    print(f"served layout's shared chunks per round: step loop {split['step_loop']:.0f}, helpers "
+          f"{split['helpers']:.0f}, taken back from helpers {split['taken_back']:.0f}")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    every = sorted(available_cores())
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="a built-in model name or a weights folder")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--engine-cpus", default=format_cpus(every[-1:]), help="the served layout's "
+                   "step-loop cores (default: the last core)")  # fmt: skip
+    p.add_argument("--spare-cpus", default=format_cpus(every[:-1]), help="its helpers' cores "
+                   "(default: every other core)")  # fmt: skip
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=4, help="runs of each layout, alternating")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "layout.json")
+    args = p.parse_args(argv)
+    for name in ("requests", "prompt_len", "output_len", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        args.engine, args.spare = parse_cpus(args.engine_cpus), parse_cpus(args.spare_cpus)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    every = available_cores()
+    check_cores(args.engine, args.spare, every)
+    from engine import build_ours  # bench/engine.py: the same engine sizing as the offline figure
+
+    run = Run.begin(machine_info(("torch",)))
+    log(f"loading {args.model} ({args.dtype}) ...")
+    llm = build_ours(engine_args(args), args.dtype)
+    layouts, threads = Layouts(args.engine, args.spare, every), torch.get_num_threads()
+    try:
+        result = measure(args, llm, layouts)
+    finally:  # as it was: every core, no helpers, torch's threads
+        layouts.switch("all_cores")
+        torch.set_num_threads(threads)
+    print_table(result, args.engine, args.spare, every)
+    workload = {k: getattr(args, k) for k in ("model", "dtype", "requests", "prompt_len",
+                                                "output_len", "rounds", "seed")}  # fmt: skip
+    workload.update(engine_cpus=args.engine_cpus, spare_cpus=args.spare_cpus)
+    run.write(args.out, workload=workload, **result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
