@@ -130,6 +130,4 @@ def _with_env_keys(config: AppConfig) -> AppConfig:
         raise ConfigError(f"{API_KEYS_ENV}: a key may not contain spaces")
     server = config.ServerConfig
     merged = tuple(server.apiKeys) + tuple(SecretStr(key) for key in keys)
-    return config.model_copy(
-        update={"ServerConfig": server.model_copy(update={"apiKeys": merged})}
-    )
+    return config.model_copy(update={"ServerConfig": server.model_copy(update={"apiKeys": merged})})

@@ -45,11 +45,15 @@ _ENVELOPES: dict[ErrorKind, _Envelope] = {
         (500, "Incomplete Generation"), (500, "InternalServerError"), 500, (500, "INTERNAL_ERROR")
     ),
     K.TIMEOUT: _Envelope(
-        (500, "Incomplete Generation"), (500, "InternalServerError"), 500,
+        (500, "Incomplete Generation"),
+        (500, "InternalServerError"),
+        500,
         (504, "DEADLINE_EXCEEDED"),
     ),  # fmt: skip
     K.UNAVAILABLE: _Envelope(
-        (503, "Service Unavailable"), (503, "ServiceUnavailableError"), 503,
+        (503, "Service Unavailable"),
+        (503, "ServiceUnavailableError"),
+        503,
         (503, "TEMPORARILY_UNAVAILABLE"),
     ),  # fmt: skip
     K.TOO_LARGE: _Envelope(
@@ -60,7 +64,9 @@ _ENVELOPES: dict[ErrorKind, _Envelope] = {
     ),
     # Databricks answers over-limit requests with 429, which its SDK retries after Retry-After
     K.OVERLOADED: _Envelope(
-        (503, "Service Unavailable"), (503, "ServiceUnavailableError"), 503,
+        (503, "Service Unavailable"),
+        (503, "ServiceUnavailableError"),
+        503,
         (429, "REQUEST_LIMIT_EXCEEDED"),
     ),  # fmt: skip
 }

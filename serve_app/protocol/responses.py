@@ -212,9 +212,7 @@ def _text(content: Any, where: str) -> str:
                 f"{where}[{j}].type",
             )
         else:
-            raise invalid(
-                f"{where}[{j}]", "must be {type: input_text | output_text, text: string}"
-            )
+            raise invalid(f"{where}[{j}]", "must be {type: input_text | output_text, text: string}")
     return "\n".join(texts)
 
 

@@ -66,9 +66,7 @@ def test_get_open_ai_client(workspace):
         model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     assert reply.choices[0].message.role == "assistant"
-    chunks = list(
-        client.completions.create(model="demo", prompt="hi", max_tokens=3, stream=True)
-    )
+    chunks = list(client.completions.create(model="demo", prompt="hi", max_tokens=3, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 

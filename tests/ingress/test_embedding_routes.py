@@ -44,9 +44,7 @@ def test_openai_client_on_both_paths(client):
         # the client asks for base64 by default and decodes it
         got = oai.embeddings.create(model="minilm", input=[RELATED[0], UNRELATED])
         assert [len(d.embedding) for d in got.data] == [384, 384]
-        floats = oai.embeddings.create(
-            model="minilm", input=RELATED[0], encoding_format="float"
-        )
+        floats = oai.embeddings.create(model="minilm", input=RELATED[0], encoding_format="float")
         assert floats.data[0].embedding == pytest.approx(got.data[0].embedding, abs=1e-6)
 
 

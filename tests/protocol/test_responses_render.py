@@ -24,7 +24,9 @@ def test_a_call_becomes_a_function_call_item():
     message, call = out["output"]
     assert message["content"][0]["text"] == "Sure."
     assert (call["type"], call["name"], call["arguments"]) == (
-        "function_call", "get_weather", '{"city": "Oslo"}'
+        "function_call",
+        "get_weather",
+        '{"city": "Oslo"}',
     )
     assert call["call_id"].startswith("call_") and out["status"] == "completed"
     assert out["tools"] == [TOOL]  # shown in the Responses shape
