@@ -45,20 +45,23 @@ def helpers():
 
 def _gemm_cases():
     """GEMM calls, each as a function of nothing: each dtype, one row and many (prefill
-    slices), with and without a bias, each epilogue, wide enough to make many chunks."""
+    slices), with and without a bias, each epilogue, wide enough to make many chunks; and a
+    GEMM of few blocks and many rows, whose last blocks are cut in rows."""
     torch.manual_seed(0)
+    shapes = ((9005, 64, (1, 100)), (500, 512, (300,)))  # last blocks of 13 and 20 columns
     for dtype in (torch.float32, torch.bfloat16):
-        weight = torch.randn(9005, 64).to(dtype)  # a last block of 13 columns
-        for rows in (1, 100):
-            for bias in (None, torch.randn(9005).to(dtype)):
-                layer = cpu_gemm.StreamedLinear(weight, bias)
-                x = torch.randn(rows, 64).to(dtype)
-                other = torch.randn(rows, 9005).to(dtype)
-                for epilogue in (0, 1, 2):
-                    yield functools.partial(
-                        layer.kernel, x, layer.packed, layer.out_features, layer.bias,
-                        other if epilogue else None, epilogue,
-                    )  # fmt: skip
+        for n, k, row_counts in shapes:
+            weight = torch.randn(n, k).to(dtype)
+            for rows in row_counts:
+                for bias in (None, torch.randn(n).to(dtype)):
+                    layer = cpu_gemm.StreamedLinear(weight, bias)
+                    x = torch.randn(rows, k).to(dtype)
+                    other = torch.randn(rows, n).to(dtype)
+                    for epilogue in (0, 1, 2):
+                        yield functools.partial(
+                            layer.kernel, x, layer.packed, layer.out_features, layer.bias,
+                            other if epilogue else None, epilogue,
+                        )  # fmt: skip
 
 
 def _attention_cases():
@@ -240,6 +243,22 @@ def test_a_small_gemm_keeps_eight_chunks_however_fast_the_machine(helpers):
     layer, x = cpu_gemm.StreamedLinear(torch.randn(2816, 512)), torch.randn(32, 512)  # 88 blocks
     chunks, _ = _chunks_of_one_call(layer, x, [64.0, 64.0])
     assert chunks >= 8
+
+
+def test_the_last_blocks_of_a_gemm_of_few_long_blocks_are_cut_in_rows(helpers):
+    # 16 blocks x 300 rows (7 slices of rows): at most 2 blocks a chunk (at least 8 chunks), so
+    # the last two chunks' worth, 4 blocks, are cut in rows (2 pieces each) instead of quarters
+    # of a chunk, which cannot be smaller than a block; at 1 block a chunk the last 2 blocks in
+    # 4 pieces each. Whoever computes which piece, the result is the caller's own.
+    torch.manual_seed(0)
+    layer, x = cpu_gemm.StreamedLinear(torch.randn(500, 512)), torch.randn(300, 512)
+    with torch.inference_mode():
+        expect = layer(x)  # no helpers yet: the caller's own
+    helpers()
+    for factors, pieces in (([64.0, 64.0], 6 + 4 * 2), ([0.25, 0.25], 14 + 2 * 4)):
+        chunks, got = _chunks_of_one_call(layer, x, factors)
+        assert chunks == pieces
+        assert torch.equal(got, expect)
 
 
 def test_the_callers_chunks_measure_the_speed(helpers):

@@ -359,12 +359,16 @@ struct Gemm {
   int64_t K, n, blocks;
   Finish<T> finish;
 
-  // blocks [begin, end) into `out`: its column 0 is column begin * kCols of the result, its
+  // blocks [begin, end) of the rows of slices [s0, s1) (s1 -1: to the last) into `out`: its
+  // column 0 is column begin * kCols of the result, its row 0 the result's row `row0`, its
   // rows ldo apart
-  void blocks_into(int64_t begin, int64_t end, T* out, int64_t ldo) const {
+  void blocks_into(int64_t begin, int64_t end, T* out, int64_t ldo, int64_t s0 = 0,
+                   int64_t s1 = -1, int64_t row0 = 0) const {
     const int64_t block_size = K * kCols;
     const int64_t lines = block_size * static_cast<int64_t>(sizeof(T)) / kLine;
-    for (const auto& slice : slices) {
+    if (s1 < 0) s1 = static_cast<int64_t>(slices.size());
+    for (int64_t s = s0; s < s1; ++s) {
+      const auto& slice = slices[s];
       const int64_t groups = static_cast<int64_t>(slice.size());
       const int64_t passes = groups * kTilesPerBlock;
       const int64_t per_pass = (lines + passes - 1) / passes;  // lines asked for by each tile
@@ -386,7 +390,7 @@ struct Gemm {
             if (here.bias != nullptr) here.bias += b * kCols + col0;
             if (here.kind != kNone) here.other += g.row0 * here.ld_other + b * kCols + col0;
             tile_of(g.rows, std::make_integer_sequence<int64_t, kRows>{}, xd + g.row0 * K, K,
-                    block + col0, out + g.row0 * ldo + (b - begin) * kCols + col0, ldo,
+                    block + col0, out + (g.row0 - row0) * ldo + (b - begin) * kCols + col0, ldo,
                     cols - col0, here, ahead + start * kLine, fetch, per_k);
           }
         }
@@ -424,9 +428,9 @@ BlockCost block_cost(int64_t M, int64_t K, int64_t element_size) {
 // the demo's LM head at 32 rows in 400 chunks took 6.4 ms with a helper, in 60 chunks 5.9.
 std::atomic<double> measured_speed[2] = {1.0, 1.0};  // [memory-bound, compute-bound]
 
-void note_speed(const BlockCost& cost, int64_t blocks, double ns) {
+void note_speed(const BlockCost& cost, double blocks, double ns) {
   if (ns <= 0.0) return;
-  const double sample = std::clamp(cost.ns * static_cast<double>(blocks) / ns, 0.25, 64.0);
+  const double sample = std::clamp(cost.ns * blocks / ns, 0.25, 64.0);
   auto& speed = measured_speed[cost.compute_bound];
   const double was = speed.load(std::memory_order_relaxed);
   speed.store(was + (sample - was) * 0.05, std::memory_order_relaxed);  // races: a lost sample
@@ -458,58 +462,88 @@ std::vector<double> streamed_gemm_speed(c10::ArrayRef<double> set) {
 
 // The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of whole blocks: the
 // last two chunks' worth cut in quarters, so that a caller which takes back the chunk of a late
-// helper at the end redoes a quarter of one. It holds the tensors it reads: a helper whose chunk
-// the caller took back may still be multiplying it after the caller returned.
+// helper at the end redoes a quarter of one. Where a chunk is fewer than 4 blocks (a prefill's
+// many rows make each block long: at 4096 rows a block of down_proj is ~0.7 ms), those last
+// blocks are cut in rows instead, by slices of rows, so that the quarter holds. It holds the
+// tensors it reads: a helper whose chunk the caller took back may still be multiplying it after
+// the caller returned.
 template <typename T>
 struct SharedGemm final : serve_app_cpu::SharedJob {
-  SharedGemm(Gemm<T> gemm, int64_t M, std::vector<int64_t> bounds, T* out,
+  // blocks [b0, b1) of the rows of slices [s0, s1)
+  struct Piece {
+    int64_t b0, b1, s0, s1;
+  };
+
+  SharedGemm(Gemm<T> gemm, int64_t M, std::vector<Piece> pieces, T* out,
              std::vector<at::Tensor> keep)
-      : SharedJob(static_cast<int64_t>(bounds.size()) - 1),
+      : SharedJob(static_cast<int64_t>(pieces.size())),
         gemm(std::move(gemm)),
         M(M),
-        bounds(std::move(bounds)),
+        pieces(std::move(pieces)),
         out(out),
         keep(std::move(keep)) {}
 
-  // chunk boundaries, in blocks: per_chunk each, then quarters of it for the last two
-  static std::vector<int64_t> cut(int64_t blocks, int64_t per_chunk) {
+  // per_chunk blocks of every row each, then the last two chunks' worth in quarters: of
+  // per_chunk blocks, or where that is under 4 blocks, each of those blocks in row pieces
+  static std::vector<Piece> cut(int64_t blocks, int64_t per_chunk, int64_t slices) {
     const int64_t head = blocks - std::min(blocks, 2 * per_chunk);
-    const int64_t quarter = std::max<int64_t>(1, per_chunk / 4);
-    std::vector<int64_t> bounds{0};
-    for (int64_t b = per_chunk; b < head; b += per_chunk) bounds.push_back(b);
-    if (head > 0) bounds.push_back(head);
-    for (int64_t b = head + quarter; b < blocks; b += quarter) bounds.push_back(b);
-    bounds.push_back(blocks);
-    return bounds;
+    std::vector<Piece> pieces;
+    for (int64_t b = 0; b < head; b += per_chunk) {
+      pieces.push_back({b, std::min(b + per_chunk, head), 0, slices});
+    }
+    if (per_chunk >= 4 || slices == 1) {
+      const int64_t quarter = std::max<int64_t>(1, per_chunk / 4);
+      for (int64_t b = head; b < blocks; b += quarter) {
+        pieces.push_back({b, std::min(b + quarter, blocks), 0, slices});
+      }
+      return pieces;
+    }
+    const int64_t parts = std::min(slices, (4 + per_chunk - 1) / per_chunk);  // per block
+    for (int64_t b = head; b < blocks; ++b) {
+      for (int64_t p = 0; p < parts; ++p) {
+        pieces.push_back({b, b + 1, slices * p / parts, slices * (p + 1) / parts});
+      }
+    }
+    return pieces;
   }
 
-  int64_t begin(int64_t c) const { return bounds[c]; }
-  int64_t end(int64_t c) const { return bounds[c + 1]; }
-  int64_t cols(int64_t c) const { return std::min(gemm.n, end(c) * kCols) - begin(c) * kCols; }
+  int64_t cols(int64_t c) const {
+    return std::min(gemm.n, pieces[c].b1 * kCols) - pieces[c].b0 * kCols;
+  }
+  int64_t first_row(int64_t c) const { return gemm.slices[pieces[c].s0].front().row0; }
+  int64_t end_row(int64_t c) const {
+    const Group& last = gemm.slices[pieces[c].s1 - 1].back();
+    return last.row0 + last.rows;
+  }
 
   void run(int64_t c) override {  // the caller's threads: timed, for blocks_per_chunk
+    const Piece& p = pieces[c];
     const auto start = std::chrono::steady_clock::now();
-    gemm.blocks_into(begin(c), end(c), out + begin(c) * kCols, gemm.n);
+    gemm.blocks_into(p.b0, p.b1, out + p.b0 * kCols, gemm.n, p.s0, p.s1);
     const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
-    note_speed(block_cost(M, gemm.K, sizeof(T)), end(c) - begin(c), took.count());
+    const double rows = static_cast<double>(end_row(c) - first_row(c)) / static_cast<double>(M);
+    note_speed(block_cost(M, gemm.K, sizeof(T)), static_cast<double>(p.b1 - p.b0) * rows,
+               took.count());
   }
 
   void run_into(int64_t c, std::vector<char>& scratch) override {
-    scratch.resize(static_cast<size_t>(M * cols(c)) * sizeof(T));
-    gemm.blocks_into(begin(c), end(c), reinterpret_cast<T*>(scratch.data()), cols(c));
+    const Piece& p = pieces[c];
+    const int64_t r0 = first_row(c);
+    scratch.resize(static_cast<size_t>((end_row(c) - r0) * cols(c)) * sizeof(T));
+    gemm.blocks_into(p.b0, p.b1, reinterpret_cast<T*>(scratch.data()), cols(c), p.s0, p.s1, r0);
   }
 
   void commit(int64_t c, const std::vector<char>& scratch) override {
     const T* from = reinterpret_cast<const T*>(scratch.data());
-    const int64_t width = cols(c);
-    for (int64_t r = 0; r < M; ++r) {
-      std::memcpy(out + r * gemm.n + begin(c) * kCols, from + r * width, width * sizeof(T));
+    const int64_t width = cols(c), r0 = first_row(c), col0 = pieces[c].b0 * kCols;
+    for (int64_t r = r0; r < end_row(c); ++r) {
+      std::memcpy(out + r * gemm.n + col0, from + (r - r0) * width, width * sizeof(T));
     }
   }
 
   const Gemm<T> gemm;
   const int64_t M;
-  const std::vector<int64_t> bounds;
+  const std::vector<Piece> pieces;
   T* const out;
   const std::vector<at::Tensor> keep;  // x (as the tiles read it), the weight, bias and other
 };
@@ -521,8 +555,9 @@ void gemm(Gemm<T> g, int64_t M, T* out, std::vector<at::Tensor> keep) {
   if (serve_app_cpu::spare_helpers() > 0) {
     const int64_t per_chunk = blocks_per_chunk(M, g.K, sizeof(T), g.blocks);
     if (g.blocks > per_chunk) {
-      auto bounds = SharedGemm<T>::cut(g.blocks, per_chunk);
-      serve_app_cpu::run_shared(std::make_shared<SharedGemm<T>>(std::move(g), M, std::move(bounds),
+      const auto slices = static_cast<int64_t>(g.slices.size());
+      auto pieces = SharedGemm<T>::cut(g.blocks, per_chunk, slices);
+      serve_app_cpu::run_shared(std::make_shared<SharedGemm<T>>(std::move(g), M, std::move(pieces),
                                                                 out, std::move(keep)));
       return;
     }
