@@ -164,24 +164,26 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> list[list[i
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def ours_decode_steps(llm: LLM, batches: list[list[list[int]]], output_len: int) -> list[float]:
-    """Seconds of every engine.step() after the first (the prefill, when the prompts fit one
-    step's budget, as the bench sizes it) while each batch of prompts runs together, alone.
-    A step returns its tokens to the host, so on an accelerator its time includes the device's."""
+def ours_steps(llm: LLM, prompts: list[list[int]], output_len: int) -> list[float]:
+    """Seconds of every engine.step() while the prompts run together, alone (greedy, EOS
+    ignored), the first (the prefill, when the prompts fit one step's budget, as the bench
+    sizes it) included. A step returns its tokens to the host, so on an accelerator its time
+    includes the device's."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine, step_seconds = llm.engine, []
-    for b, batch in enumerate(batches):
-        for i, prompt in enumerate(batch):
-            request_id = f"steps-{b}-{i}-{time.monotonic_ns()}"
-            engine.add_request(EngineRequest(request_id, prompt, params))
-        first = True
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            if not first:
-                step_seconds.append(time.perf_counter() - start)
-            first = False
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"steps-{i}-{time.monotonic_ns()}", prompt, params))
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        step_seconds.append(time.perf_counter() - start)
     return step_seconds
+
+
+def ours_decode_steps(llm: LLM, batches: list[list[list[int]]], output_len: int) -> list[float]:
+    """Seconds of every engine.step() after the first (`ours_steps`) while each batch of
+    prompts runs together, alone."""
+    return [s for batch in batches for s in ours_steps(llm, batch, output_len)[1:]]
 
 
 def ours_token_gaps(llm: LLM, prompts: list[list[int]], output_len: int) -> list[float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importa
 
 from common import RESULTS_DIR, Run, log, machine_info, seeded_prompts  # noqa: E402
 
-from serve_app.engine import EngineRequest, SamplingParams, cpu_kernels  # noqa: E402
+from serve_app.engine import cpu_kernels, cpus  # noqa: E402
 from serve_app.engine.cpus import (  # noqa: E402
     available_cores,
     bind_process,
@@ -75,15 +74,15 @@ class Layouts:
         return list(self._stats())[:3]
 
 
-def check_cores(engine: tuple[int, ...], spare: tuple[int, ...], every: set[int]) -> None:
+def check_cores(engine: tuple[int, ...], spare: tuple[int, ...]) -> None:
     if cpu_kernels.op("use_spare_cpus") is None:
         raise SystemExit("layout: the engine's CPU kernels are not built here (see cpu_kernels)")
     if not engine or not spare or set(engine) & set(spare):
         raise SystemExit("layout: --engine-cpus and --spare-cpus must be two disjoint core lists")
-    missing = (set(engine) | set(spare)) - every
-    if missing:
-        raise SystemExit(f"layout: cores {format_cpus(missing)} are not available here "
-                         f"(this process may use {format_cpus(every)})")  # fmt: skip
+    try:
+        cpus.check_cores(set(engine) | set(spare))
+    except ValueError as exc:
+        raise SystemExit(f"layout: {exc}") from None
 
 
 def engine_args(args) -> argparse.Namespace:
@@ -97,23 +96,15 @@ def engine_args(args) -> argparse.Namespace:
 
 
 def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """The prompts together: the first step (every prefill) and each decode step timed."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"layout-{i}-{time.monotonic_ns()}", prompt, params))
-    steps, tokens = [], 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        outputs = engine.step()
-        steps.append(time.perf_counter() - step_start)
-        tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
-    wall = time.perf_counter() - start
+    """The prompts together (bench/engine.py's `ours_steps`): the first step (every prefill),
+    the decode steps' median, and output tokens (each prompt's `output_len`) per second."""
+    from engine import ours_steps
+
+    steps = ours_steps(llm, prompts, output_len)
     return {
         "prefill_ms": 1e3 * steps[0],
         "decode_step_ms": 1e3 * statistics.median(steps[1:]) if len(steps) > 1 else None,
-        "tokens_per_s": tokens / wall,
+        "tokens_per_s": len(prompts) * output_len / sum(steps),
     }
 
 
@@ -218,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     every = available_cores()
-    check_cores(args.engine, args.spare, every)
+    check_cores(args.engine, args.spare)
     from engine import build_ours  # bench/engine.py: the same engine sizing as the offline figure
 
     run = Run.begin(machine_info(("torch",)))

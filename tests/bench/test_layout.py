@@ -56,7 +56,7 @@ def test_bad_arguments_are_named(lb, capsys, argv, message):
 )
 def test_cores_the_layout_cannot_have_are_refused(lb, engine, spare, message):
     with pytest.raises(SystemExit, match=message):
-        lb.check_cores(engine, spare, {0, 1})
+        lb.check_cores(engine, spare)
 
 
 def test_the_summary_is_the_median_of_the_rounds_and_the_served_layouts_ratio(lb):

@@ -535,8 +535,9 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
 
   void commit(int64_t c, const std::vector<char>& scratch) override {
     const T* from = reinterpret_cast<const T*>(scratch.data());
-    const int64_t width = cols(c), r0 = first_row(c), col0 = pieces[c].b0 * kCols;
-    for (int64_t r = r0; r < end_row(c); ++r) {
+    const int64_t width = cols(c), r0 = first_row(c), r1 = end_row(c);
+    const int64_t col0 = pieces[c].b0 * kCols;
+    for (int64_t r = r0; r < r1; ++r) {
       std::memcpy(out + r * gemm.n + col0, from + (r - r0) * width, width * sizeof(T));
     }
   }
