@@ -556,8 +556,26 @@ def test_completion_stream_n_best_of_equal_and_usage_on_last_chunk(client, kv_id
     assert kv_idle()
 
 
+@pytest.fixture
+def paced_steps(route_app, monkeypatch):
+    """Each engine step of the route app's replica 20 ms long. A stream whose consumer falls
+    behind the engine gets the waiting tokens as one chunk, by design: demo-tiny's sub-ms steps
+    outran the event loop on a busy machine (the suite's other worker), so tests of chunk sizes
+    pace the engine, and the sizes they assert are stream_interval's alone."""
+    import time
+
+    engine = route_app.state.replica.engine.engine  # the step loop runs on a thread here
+    step = engine.step
+
+    def paced():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(engine, "step", paced)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_stream_interval_puts_that_many_tokens_in_each_chunk(client, kv_idle, path):
+def test_stream_interval_puts_that_many_tokens_in_each_chunk(client, kv_idle, path, paced_steps):
     """vLLM's stream_interval: the first chunk at once, then 4 tokens a chunk, the rest last;
     the text and usage as a token-by-token stream's."""
     base = COMPLETION if path == "/v1/completions" else CHAT
@@ -587,7 +605,9 @@ def test_stream_interval_puts_that_many_tokens_in_each_chunk(client, kv_idle, pa
     assert kv_idle()
 
 
-def test_the_servers_stream_interval_applies_unless_a_request_asks_for_more(route_app, kv_idle):
+def test_the_servers_stream_interval_applies_unless_a_request_asks_for_more(
+    route_app, kv_idle, paced_steps
+):
     """ServerConfig.streamInterval 3: every stream's chunks carry 3 tokens (first and last
     aside); a request's stream_interval only raises it."""
     request = {**COMPLETION, "max_tokens": 11, "ignore_eos": True, "stream": True, "logprobs": 0}
