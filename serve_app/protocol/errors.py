@@ -49,13 +49,13 @@ _ENVELOPES: dict[ErrorKind, _Envelope] = {
         (500, "InternalServerError"),
         500,
         (504, "DEADLINE_EXCEEDED"),
-    ),  # fmt: skip
+    ),
     K.UNAVAILABLE: _Envelope(
         (503, "Service Unavailable"),
         (503, "ServiceUnavailableError"),
         503,
         (503, "TEMPORARILY_UNAVAILABLE"),
-    ),  # fmt: skip
+    ),
     K.TOO_LARGE: _Envelope(
         (413, "Payload Too Large"), (413, "BadRequestError"), 413, (413, "BAD_REQUEST")
     ),
@@ -68,7 +68,7 @@ _ENVELOPES: dict[ErrorKind, _Envelope] = {
         (503, "ServiceUnavailableError"),
         503,
         (429, "REQUEST_LIMIT_EXCEEDED"),
-    ),  # fmt: skip
+    ),
 }
 # MindIE words a timeout that fails the request before its response starts as an engine callback
 # timeout, whoever noticed it; a stream that already answered 200 reports it in the replica's
