@@ -300,6 +300,32 @@ def test_a_target_that_never_answers_its_model_list_is_skipped_at_the_timeout(sb
     assert error.startswith("TimeoutError") and waited < 5
 
 
+def test_a_chunk_json_reads_strictly_refuses_is_still_read(sb):
+    """Python's json writes non-finite floats as NaN / Infinity; the strict fast parser refuses
+    them, and the chunk is read by json instead of failing the request."""
+    rec = feed(
+        sb,
+        [
+            'data: {"choices":[{"index":0,"text":"a","logprobs":{"token_logprobs":[-Infinity]}}]}',
+            'data: {"choices":[{"index":0,"text":"b","logprobs":{"token_logprobs":[NaN]}}]}',
+            "data: [DONE]",
+        ],
+    )
+    assert rec.done and rec.error is None and rec.token_times == [1.0, 2.0]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_load_generator_runs_a_level_at_sched_batch_and_returns_to_its_policy(sb):
+    before = os.sched_getscheduler(0)
+    with sb.batch_scheduled(True):
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == before
+    with sb.batch_scheduled(False):
+        assert os.sched_getscheduler(0) == before
+    assert sb.parse_args([]).sched == "batch"
+    assert sb.parse_args(["--sched=normal"]).sched == "normal"
+
+
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_sweep_against_the_app(sb, base_url, tmp_path, api):
     out = tmp_path / f"serve-{api}.json"
@@ -327,6 +353,7 @@ def test_sweep_against_the_app(sb, base_url, tmp_path, api):
     report = json.loads(out.read_text())
     assert {"date", "machine", "loadavg_start", "workload", "targets", "results"} <= set(report)
     assert report["workload"]["api"] == api and report["workload"]["levels"] == [1, 2]
+    assert report["workload"]["client_sched"] == "batch"
     assert set(report["results"]) == {"ours", "again"}
     for name, res in report["results"].items():
         assert res["model"] == "demo" and res["url"] == base_url  # asked from GET /v1/models
