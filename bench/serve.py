@@ -51,12 +51,12 @@ from peers import REFUSES, Peer, PeerUnavailable, parse_peers  # noqa: E402
 from proc_cpu import TreeCPU  # noqa: E402
 from sse_client import HTTPStatusError, StreamClient  # noqa: E402
 
-DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
-
 try:  # parses a chunk's JSON ~5x faster than json; strict, so json takes what it refuses
     from orjson import loads as _fast_loads
 except ImportError:
     _fast_loads = json.loads
+
+DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
 DEFAULT_CONCURRENCY = "1,4,16,32,64"
 INSTALL_HINT = "pip install -e '.[bench]'"
 # Common English words: with a leading space each is one token in the usual BPE vocabularies,
