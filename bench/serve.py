@@ -382,19 +382,19 @@ def batch_scheduled(enabled: bool):
     switches per streamed chunk that a client on another machine never causes. A SCHED_BATCH
     task does not preempt on wake-up, so it reads the chunks of a whole engine step in one go
     after the server yields the core. Elsewhere (or where the policy cannot be set): nothing."""
-    if not enabled or not hasattr(os, "SCHED_BATCH"):
-        yield
-        return
-    before = os.sched_getscheduler(0), os.sched_getparam(0)
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except OSError:
-        yield
-        return
+    before = None
+    if enabled and hasattr(os, "SCHED_BATCH"):
+        try:
+            policy = os.sched_getscheduler(0), os.sched_getparam(0)
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            before = policy
+        except OSError:
+            pass
     try:
         yield
     finally:
-        os.sched_setscheduler(0, *before)
+        if before is not None:
+            os.sched_setscheduler(0, *before)
 
 
 def cpu_figures(client_s: float, server: dict[str, float] | None, tokens: int) -> dict:
