@@ -174,7 +174,14 @@ def _free_port(host: str) -> int:
 # ten passes a second over them (a new worker's output shows up to 0.5 s later). Idle on the
 # 2-core default: ~13 -> ~9 % of a core with Serve's two, ~9 -> ~6 % with the rest, on the core
 # the serving path shares with the engine's helpers.
+# Ray starts its workers (every deployment's replica, and so the engine process) at niceness 15
+# by default; here at 0, as Ray does for a job's driver. At 15 the engine's own core looked nearly
+# idle to the kernel's load balancing (a nice-15 task weighs 36 against a normal task's 1024), so
+# normal processes were placed on it and preempted the step loop: measured on the 2-core default
+# at 32 streams, a load generator on the same machine ran ~0.7 % of the engine's core; at 0,
+# none of it (Linux `perf sched`).
 RAY_BACKGROUND_ENV = {
+    "RAY_worker_niceness": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # the deployments have it in their runtime_env; here for Ray's proxy (its router) too
     METRICS_INTERVAL: SERVE_FAST_PATH_ENV[METRICS_INTERVAL],
