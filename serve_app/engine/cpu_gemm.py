@@ -50,7 +50,7 @@ from serve_app.engine.device import cpu_has_amx_bf16, cpu_has_fast_bf16
 # The batch size oneDNN picks the blocked layout for; any batch size works with it.
 BATCH_HINT = 32
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-_NONE, _ADD, _MUL = 0, 1, 2  # streamed_linear's epilogues
+_NONE, _ADD, _MUL, _SILU_MUL = 0, 1, 2, 3  # streamed_linear's epilogues
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -151,6 +151,14 @@ class StreamedLinear(nn.Module):
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ W^T + b) * other, multiplied as the kernel writes its output."""
         return self._apply_kernel(x, other, _MUL)
+
+    def mul_silu(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """(x @ W^T + b) * silu(gate), the activation computed as the kernel writes its output
+        (a gated MLP's up projection times its gate: no pass of its own over the gate, and
+        shared with the helpers like the GEMM). silu as transformers computes it, rounded to
+        the dtype before the product as its own pass stores it; its exponential is the
+        kernel's, within ~2 float32 ulps of torch's."""
+        return self._apply_kernel(x, gate, _SILU_MUL)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, streamed"

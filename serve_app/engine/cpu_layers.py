@@ -6,10 +6,11 @@ the product and two residual adds). On a small model with many layers (SmolLM2-1
 of width 576) the dispatch of those ops and their passes over memory cost as much as the
 matrix products. `FusedDecoderLayer` computes the same layer with:
 
-* one GEMM for q, k and v together, and one each for gate (then SiLU), up (the product with
-  the activated gate applied by the GEMM), o and down (each adding the residual as it writes its
-  output): five GEMMs and no separate product or add, on cpu_gemm.linear's layers (oneDNN's
-  prepacked GEMM, or the engine's streamed kernel where it is built and faster);
+* one GEMM for q, k and v together, and one each for gate, up (the product with the activated
+  gate applied by the GEMM), o and down (each adding the residual as it writes its output): five
+  GEMMs and no separate product or add, on cpu_gemm.linear's layers (oneDNN's prepacked GEMM,
+  which applies SiLU as the gate's GEMM writes, or the engine's streamed kernel where it is built
+  and faster, which applies it to the gate as the up projection's GEMM reads it);
 * RMSNorm as transformers computes it (float32 statistics, cast back, then the weight), in one
   pass by the engine's compiled `rms_norm` (cpu_kernels.py), else torch's fused `rms_norm`;
 * the rotary embedding applied once to q and k together, in place in one pass by the compiled
@@ -119,6 +120,8 @@ class FusedDecoderLayer(nn.Module):
         self.gate_proj = cpu_gemm.linear(mlp.gate_proj.weight)
         self.up_proj = cpu_gemm.linear(mlp.up_proj.weight)
         self.down_proj = cpu_gemm.linear(mlp.down_proj.weight)
+        # the streamed kernel applies SiLU to the gate as the up projection writes its product
+        self.silu_in_up = isinstance(self.up_proj, cpu_gemm.StreamedLinear)
         self.rotary = cpu_kernels.op("rotary_")
 
     def forward(
@@ -148,7 +151,10 @@ class FusedDecoderLayer(nn.Module):
         out, _ = attention(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
         hidden = self.o_proj.add(out.reshape(num_tokens, heads * dim), residual)
         normed = self.post_attention_layernorm(hidden)
-        gated = self.up_proj.mul(normed, self.gate_proj.silu(normed))
+        if self.silu_in_up:
+            gated = self.up_proj.mul_silu(normed, self.gate_proj(normed))
+        else:  # oneDNN applies the activation as the gate's GEMM writes
+            gated = self.up_proj.mul(normed, self.gate_proj.silu(normed))
         return self.down_proj.add(gated, hidden).unsqueeze(0)
 
 

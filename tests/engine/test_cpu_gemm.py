@@ -192,6 +192,42 @@ def test_the_streamed_epilogue_rounds_once_in_bfloat16():
 
 
 @streamed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 13, 100])
+def test_the_up_projection_applies_silu_to_the_gate_as_it_writes(dtype, rows):
+    """mul_silu(x, gate) = (x @ W^T + b) * silu(gate), silu as torch computes it and rounded to
+    the dtype first, as a separate pass would store it: float32 within a few ulps, bfloat16
+    the same values but where the kernel's exponential and torch's round apart."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(64, 84, bias=True).to(dtype)
+    layer = cpu_gemm.StreamedLinear(linear.weight, linear.bias)
+    x = torch.randn(rows, 64, dtype=dtype)
+    gate = (torch.randn(rows, 168) * 4).to(dtype)[:, 84:]  # rows 168 apart: not contiguous
+    with torch.inference_mode():
+        got, unfused = layer.mul_silu(x, gate), layer.mul(x, nn.functional.silu(gate))
+    assert got.dtype == dtype and got.shape == (rows, 84)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, unfused, rtol=4e-7, atol=1e-30)
+    else:  # one bfloat16 step apart at most, and rarely
+        steps = (got.float() - unfused.float()).abs() / unfused.float().abs().clamp_min(1e-30)
+        assert (steps <= 2.0**-7).all() and (got != unfused).float().mean() < 0.01
+
+
+@streamed
+def test_silu_in_the_epilogue_at_its_limits():
+    # x @ W^T = 1: the output is silu(gate) itself; torch's values at the limits (-inf gives
+    # NaN, as -inf / inf), and a gate far below the float32 exponential's range gives -0
+    gate = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 20.0, -20.0,
+                          88.0, -89.0, 1e-3, -1e-3]])  # fmt: skip
+    layer = cpu_gemm.StreamedLinear(torch.ones(gate.shape[1], 1))
+    with torch.inference_mode():
+        got = layer.mul_silu(torch.ones(1, 1), gate)
+    expect = nn.functional.silu(gate)
+    assert torch.equal(got.isnan(), expect.isnan())
+    torch.testing.assert_close(got[~got.isnan()], expect[~expect.isnan()], rtol=4e-7, atol=0)
+
+
+@streamed
 def test_no_inputs_still_get_their_bias_and_epilogue():
     # K = 0: every sum is 0, so the result is the epilogue applied to zeros
     layer = cpu_gemm.StreamedLinear(torch.zeros(40, 0), torch.arange(40.0))
@@ -212,7 +248,7 @@ def test_streamed_linear_checks_its_epilogue_arguments():
     with pytest.raises(RuntimeError, match="bias must be"):
         kernel(x, layer.packed, 64, torch.randn(65), None, 0)
     with pytest.raises(RuntimeError, match="unknown epilogue"):
-        kernel(x, layer.packed, 64, None, torch.randn(3, 64), 3)
+        kernel(x, layer.packed, 64, None, torch.randn(3, 64), 4)
 
 
 def test_a_layer_streams_where_the_kernel_is_faster():

@@ -94,6 +94,25 @@ def test_fused_layers_give_transformers_logits(model, request, monkeypatch):
         assert error <= 1.5 * plain_error, (error, plain_error)
 
 
+@pytest.mark.skipif(
+    not cpu_gemm.streams(torch.float32), reason="the streamed kernel is not built here"
+)
+def test_with_the_streamed_kernel_silu_has_no_pass_of_its_own(monkeypatch):
+    """The up projection's GEMM applies SiLU to the gate as it writes: no separate pass over
+    the gate (torch's silu is never called) for the same logits as the separate pass."""
+    fused = _runner("demo-tiny", "float32", True, monkeypatch)
+    assert all(layer.silu_in_up for layer in fused.model.get_decoder().layers)
+    expect = _steps(_runner("demo-tiny", "float32", False, monkeypatch))
+
+    def no_silu(*args, **kwargs):
+        raise AssertionError("a separate SiLU pass")
+
+    monkeypatch.setattr(cpu_gemm.F, "silu", no_silu)
+    monkeypatch.setattr(torch.nn.functional, "silu", no_silu)
+    for got, exact in zip(_steps(fused), expect, strict=True):
+        torch.testing.assert_close(got, exact, rtol=0, atol=1e-5 * exact.abs().max().item())
+
+
 def _llama_layer(**overrides):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer

@@ -57,7 +57,7 @@ def _gemm_cases():
                     layer = cpu_gemm.StreamedLinear(weight, bias)
                     x = torch.randn(rows, k).to(dtype)
                     other = torch.randn(rows, n).to(dtype)
-                    for epilogue in (0, 1, 2):
+                    for epilogue in (0, 1, 2, 3):
                         yield functools.partial(
                             layer.kernel, x, layer.packed, layer.out_features, layer.bias,
                             other if epilogue else None, epilogue,

@@ -3,7 +3,8 @@
 // the decoder layers' projections, multiplied by a decode step's few dozen rows.
 //
 // streamed_linear(x [M, K], packed [blocks, K, 32], n, bias=None, other=None, epilogue=0)
-//   -> x @ W^T (+ bias) [M, n], then + other (epilogue 1) or * other (epilogue 2), with W [n, K]
+//   -> x @ W^T (+ bias) [M, n], then + other (epilogue 1), * other (epilogue 2) or
+//   * silu(other) (epilogue 3: a gated MLP's up projection times its activated gate), with W [n, K]
 //   packed by cpu_gemm.StreamedLinear: 32 of its rows per block, transposed so that each k holds
 //   the block's 32 weights side by side, the last block padded with zeros. x, W, bias, other and
 //   the result share a dtype: float32, or bfloat16 (summed and finished in float32, rounded to
@@ -123,6 +124,24 @@ inline Vec load(const float* p, int64_t count) {
 inline Vec load(const c10::BFloat16* p, int64_t count) {
   return serve_app_cpu::widen16(_mm256_maskz_loadu_epi16(first(count), p));
 }
+
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec where_above(Vec x, float t, Vec then, Vec otherwise) {  // then where x > t
+  return _mm512_mask_mov_ps(otherwise, _mm512_cmp_ps_mask(x, splat(t), _CMP_GT_OQ), then);
+}
+inline Vec nearest(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
+inline Vec times_pow2(Vec v, Vec n) {  // v * 2^n for whole n in [-127, 128]
+  return _mm512_scalef_ps(v, n);
+}
+inline Vec to_bf16_precision(Vec v) {  // rounded to nearest-even bfloat16, kept as float32
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const Vec kept = _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(-65536)));
+  return _mm512_mask_mov_ps(kept, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);  // NaN stays
+}
 #else
 // AVX2: two vectors are half a block (16 columns), so a block takes two tiles side by side;
 // 12 of the 16 vector registers hold accumulators, two the weights, one the row's element.
@@ -187,14 +206,62 @@ inline Vec load(const c10::BFloat16* p, int64_t count) {
   std::memcpy(&part, p, std::max<int64_t>(count, 0) * sizeof(c10::BFloat16));
   return widen8(part);
 }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }  // b where either is NaN
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec where_above(Vec x, float t, Vec then, Vec otherwise) {  // then where x > t
+  return _mm256_blendv_ps(otherwise, then, _mm256_cmp_ps(x, splat(t), _CMP_GT_OQ));
+}
+inline Vec nearest(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec times_pow2(Vec v, Vec n) {  // v * 2^n for whole n in [-126, 127]
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(v, _mm256_castsi256_ps(e));
+}
+inline Vec to_bf16_precision(Vec v) {  // rounded to nearest-even bfloat16, kept as float32
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const Vec kept = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(-65536)));
+  return _mm256_blendv_ps(kept, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN stays
+}
 #endif
 
 constexpr int64_t kTileCols = 2 * kWidth;            // columns of a register tile
 constexpr int64_t kTilesPerBlock = kCols / kTileCols;  // tiles side by side in a block
 
 // What is applied to a sum before it is stored: + bias[column], then + other[row, column]
-// (kAdd) or * other[row, column] (kMul), all in float32 before the one rounding.
-enum Epilogue : int64_t { kNone = 0, kAdd = 1, kMul = 2 };
+// (kAdd), * other[row, column] (kMul) or * silu(other[row, column]) (kSiluMul), all in float32
+// before the one rounding.
+enum Epilogue : int64_t { kNone = 0, kAdd = 1, kMul = 2, kSiluMul = 3 };
+
+// e^x to within ~2 float32 ulps (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
+// polynomial for e^r, times 2^n), for x in [-87.3, 88.3]: below, e^-87.3 (silu's limit there is
+// x, within float32); above, inf (silu's 0, as torch's float32 exp overflows from ~88.7); NaN
+// stays NaN.
+inline Vec exp_of(Vec x) {
+  const Vec wide = x;
+  x = vmin(splat(88.3f), vmax(splat(-87.3f), x));  // NaN passes: each returns its second
+  const Vec n = nearest(mul(x, splat(1.44269504088896341f)));
+  Vec r = fmadd(n, splat(-0.693359375f), x);  // ln 2 in two parts: r exact
+  r = fmadd(n, splat(2.12194440e-4f), r);
+  Vec p = splat(1.9875691500e-4f);
+  p = fmadd(p, r, splat(1.3981999507e-3f));
+  p = fmadd(p, r, splat(8.3334519073e-3f));
+  p = fmadd(p, r, splat(4.1665795894e-2f));
+  p = fmadd(p, r, splat(1.6666665459e-1f));
+  p = fmadd(p, r, splat(5.0000001201e-1f));
+  p = fmadd(p, mul(r, r), add(r, splat(1.0f)));
+  return where_above(wide, 88.3f, splat(__builtin_inff()), times_pow2(p, n));
+}
+
+// silu(o) = o / (1 + e^-o) as transformers computes it, rounded to T's precision as its
+// separate pass stores it (bfloat16: before the product)
+template <typename T>
+inline Vec silu(Vec o) {
+  const Vec s = vdiv(o, add(splat(1.0f), exp_of(mul(o, splat(-1.0f)))));
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return to_bf16_precision(s);
+  return s;
+}
 
 template <typename T>
 struct Finish {
@@ -207,6 +274,7 @@ struct Finish {
     if (bias != nullptr) v = add(v, load(bias + col, count));
     if (kind == kNone) return v;
     const Vec o = load(other + r * ld_other + col, count);
+    if (kind == kSiluMul) return mul(v, silu<T>(o));
     return kind == kAdd ? add(v, o) : mul(v, o);
   }
 };
@@ -574,7 +642,8 @@ Finish<T> finish_of(const c10::optional<at::Tensor>& bias, const c10::optional<a
           with_other ? other->stride(0) : 0, static_cast<Epilogue>(kind)};
 }
 
-// x @ W^T (+ bias) (+ or * other, by `epilogue`: 0 none, 1 add, 2 mul)
+// x @ W^T (+ bias) (+ or * other, or * silu(other), by `epilogue`: 0 none, 1 add, 2 mul, 3
+// silu-mul)
 at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                            const c10::optional<at::Tensor>& bias,
                            const c10::optional<at::Tensor>& other, int64_t epilogue) {
@@ -590,7 +659,8 @@ at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& packed, int64_
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                         bias->scalar_type() == x.scalar_type()),
               "bias must be [n], contiguous, in x's dtype");
-  TORCH_CHECK(epilogue == kNone || epilogue == kAdd || epilogue == kMul, "unknown epilogue");
+  TORCH_CHECK(epilogue == kNone || epilogue == kAdd || epilogue == kMul || epilogue == kSiluMul,
+              "unknown epilogue");
   TORCH_CHECK(epilogue == kNone || (other && other->dim() == 2 && other->size(0) == M &&
                                     other->size(1) == n && other->stride(1) == 1 &&
                                     other->scalar_type() == x.scalar_type()),
