@@ -4,7 +4,7 @@
 //
 // streamed_linear(x [M, K], packed [blocks, K, 32], n, bias=None, other=None, epilogue=0)
 //   -> x @ W^T (+ bias) [M, n], then + other (epilogue 1), * other (epilogue 2) or
-//   * silu(other) (epilogue 3: a gated MLP's up projection times its activated gate), with W [n, K]
+//   * silu(other) (epilogue 3: a gated MLP's up projection times its activated gate), W [n, K]
 //   packed by cpu_gemm.StreamedLinear: 32 of its rows per block, transposed so that each k holds
 //   the block's 32 weights side by side, the last block padded with zeros. x, W, bias, other and
 //   the result share a dtype: float32, or bfloat16 (summed and finished in float32, rounded to
@@ -138,7 +138,8 @@ inline Vec times_pow2(Vec v, Vec n) {  // v * 2^n for whole n in [-127, 128]
 inline Vec to_bf16_precision(Vec v) {  // rounded to nearest-even bfloat16, kept as float32
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __m512i rounded =
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   const Vec kept = _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(-65536)));
   return _mm512_mask_mov_ps(kept, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);  // NaN stays
 }
@@ -212,15 +213,18 @@ inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec where_above(Vec x, float t, Vec then, Vec otherwise) {  // then where x > t
   return _mm256_blendv_ps(otherwise, then, _mm256_cmp_ps(x, splat(t), _CMP_GT_OQ));
 }
-inline Vec nearest(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec nearest(Vec v) {
+  return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 inline Vec times_pow2(Vec v, Vec n) {  // v * 2^n for whole n in [-126, 127]
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(v, _mm256_castsi256_ps(e));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
 }
 inline Vec to_bf16_precision(Vec v) {  // rounded to nearest-even bfloat16, kept as float32
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256i rounded =
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
   const Vec kept = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(-65536)));
   return _mm256_blendv_ps(kept, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN stays
 }
