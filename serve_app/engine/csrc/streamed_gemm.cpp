@@ -106,15 +106,24 @@ inline void store(float* out, Vec v, int64_t count) {
   _mm512_mask_storeu_ps(out, first(count), v);
 }
 
-// rounded to nearest-even as c10::BFloat16 rounds (a NaN becomes its quiet NaN)
-inline void store(c10::BFloat16* out, Vec v, int64_t count) {
+// each lane's bfloat16 bit pattern (in its low 16 bits), rounded to nearest-even as
+// c10::BFloat16 rounds (a NaN becomes its quiet NaN)
+inline __m512i bf16_bits(Vec v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   rounded = _mm512_srli_epi32(rounded, 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                  _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(out, first(count), _mm512_cvtepi32_epi16(rounded));
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC0));
+}
+
+inline void store(c10::BFloat16* out, Vec v, int64_t count) {
+  _mm256_mask_storeu_epi16(out, first(count), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
+// rounded to bfloat16 as `store` rounds, kept as float32
+inline Vec to_bf16_precision(Vec v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
 }
 
 inline Vec load(const float* p, int64_t count) {
@@ -134,14 +143,6 @@ inline Vec where_above(Vec x, float t, Vec then, Vec otherwise) {  // then where
 inline Vec nearest(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
 inline Vec times_pow2(Vec v, Vec n) {  // v * 2^n for whole n in [-127, 128]
   return _mm512_scalef_ps(v, n);
-}
-inline Vec to_bf16_precision(Vec v) {  // rounded to nearest-even bfloat16, kept as float32
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  const Vec kept = _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(-65536)));
-  return _mm512_mask_mov_ps(kept, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);  // NaN stays
 }
 #else
 // AVX2: two vectors are half a block (16 columns), so a block takes two tiles side by side;
@@ -179,15 +180,25 @@ inline void store(float* out, Vec v, int64_t count) {
   }
 }
 
-// rounded to nearest-even as c10::BFloat16 rounds (a NaN becomes its quiet NaN)
-inline void store(c10::BFloat16* out, Vec v, int64_t count) {
+// each lane's bfloat16 bit pattern (in its low 16 bits), rounded to nearest-even as
+// c10::BFloat16 rounds (a NaN becomes its quiet NaN)
+inline __m256i bf16_bits(Vec v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
   rounded = _mm256_srli_epi32(rounded, 16);
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0),
-                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  // each lane's bits are now at most 0xFFFF, which unsigned saturation keeps as they are
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0),
+                            _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// rounded to bfloat16 as `store` rounds, kept as float32
+inline Vec to_bf16_precision(Vec v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+}
+
+inline void store(c10::BFloat16* out, Vec v, int64_t count) {
+  const __m256i rounded = bf16_bits(v);
+  // each lane's bits are at most 0xFFFF, which unsigned saturation keeps as they are
   const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
                                           _mm256_extracti128_si256(rounded, 1));
   if (count >= kWidth) {
@@ -219,14 +230,6 @@ inline Vec nearest(Vec v) {
 inline Vec times_pow2(Vec v, Vec n) {  // v * 2^n for whole n in [-126, 127]
   const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
   return _mm256_mul_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
-}
-inline Vec to_bf16_precision(Vec v) {  // rounded to nearest-even bfloat16, kept as float32
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-  const Vec kept = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(-65536)));
-  return _mm256_blendv_ps(kept, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN stays
 }
 #endif
 
