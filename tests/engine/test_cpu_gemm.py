@@ -84,6 +84,21 @@ def test_streamed_linear_matches_nn_linear(dtype, rows, out_features, in_feature
 
 
 @streamed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [64, 33])
+def test_a_decode_steps_rows_and_a_prefills_give_the_same_sums(dtype, in_features):
+    # up to 48 rows are copied into per-tile panels before the multiplication, more are read in
+    # place: the same k-ordered sums either way, bit for bit
+    torch.manual_seed(0)
+    layer = cpu_gemm.StreamedLinear(torch.randn(70, in_features, dtype=dtype))
+    x = torch.randn(100, in_features, dtype=dtype)
+    with torch.inference_mode():
+        whole = layer(x)  # past 48 rows: in place
+        for start, stop in [(0, 48), (48, 80), (80, 100), (7, 18)]:
+            torch.testing.assert_close(layer(x[start:stop]), whole[start:stop], rtol=0, atol=0)
+
+
+@streamed
 def test_streamed_bfloat16_rounds_once_to_nearest_even():
     # one row times an identity-like weight: each output is one input value times a power of
     # two plus a tiny term, so the float32 sum and its bfloat16 rounding are known exactly
