@@ -117,8 +117,10 @@ class StreamedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = n, k = weight.shape
         self.kernel = cpu_kernels.op("streamed_linear")
-        # filled block by block from the weight: no padded copy of the whole head on the way
-        self.packed = weight.new_zeros(-(-n // 32), k, 32)
+        # filled block by block from the weight: no padded copy of the whole head on the way;
+        # on 2 MiB pages where the OS gives them (csrc/huge_pages.cpp)
+        zeros = cpu_kernels.op("zeros_on_huge_pages")
+        self.packed = zeros([-(-n // 32), k, 32], weight.dtype)
         with torch.no_grad():
             whole = n // 32
             self.packed[:whole].copy_(weight[: whole * 32].view(whole, 32, k).transpose(1, 2))

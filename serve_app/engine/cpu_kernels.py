@@ -16,7 +16,9 @@ engine keeps its portable torch path and logs why once. The ops:
   AMX (cpu_gemm.StreamedLinear; else: oneDNN's prepacked GEMM). Built on CPUs with AVX-512 or
   with AVX2 and FMA, where it was measured; `op` says None elsewhere. `streamed_bf16_pairs`:
   whether this build multiplies bfloat16 with AVX512-BF16 dot products, on weights packed in
-  pairs of k (cpu_gemm.bf16_pairs).
+  pairs of k (cpu_gemm.bf16_pairs). `zeros_on_huge_pages`: the zeroed memory StreamedLinear
+  packs its weight into, on 2 MiB pages where the Linux kernel gives them (fewer TLB misses
+  while a step streams the weights; csrc/huge_pages.cpp).
 - `use_spare_cpus`, `spare_cores_stats`: helper threads on spare cores, at idle priority, that
   share the streamed GEMMs, decode attention and the greedy argmax with the calling thread
   (csrc/spare_cores.h; cpus.lend_spare_cores), and how many chunks the caller, the helpers
@@ -52,7 +54,7 @@ SOURCES = [
     CSRC / name
     for name in (
         "paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp", "streamed_gemm.cpp",
-        "spare_cores.cpp",
+        "spare_cores.cpp", "huge_pages.cpp",
     )
 ]  # fmt: skip
 # included by the sources: part of the fingerprint

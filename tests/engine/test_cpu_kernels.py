@@ -303,3 +303,32 @@ def test_prompts_attend_through_the_kernel_as_the_masked_path_does(op, dtype):
             assert md.prefill_mask is None and md.prefill_slots is None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outputs[0], outputs[1], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_on_huge_pages_are_zeros_at_a_huge_page_asking_for_huge_pages(dtype):
+    from pathlib import Path
+
+    zeros = cpu_kernels.op("zeros_on_huge_pages")
+    assert zeros is not None, "the kernels did not build on this machine (see the log)"
+    t = zeros([3, 1 << 20], dtype)  # 6 or 12 MiB
+    assert t.shape == (3, 1 << 20) and t.dtype == dtype and t.is_contiguous()
+    assert t.data_ptr() % (1 << 21) == 0  # whole 2 MiB pages from the first byte
+    assert not t.any()
+    t.fill_(1)  # writable, every byte of it
+    assert t.sum().item() == 3 << 20
+    if Path("/sys/kernel/mm/transparent_hugepage").exists():  # Linux with THP built in
+        address = t.data_ptr()  # its mapping (merged, maybe, with a neighbour just like it)
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        for i, line in enumerate(lines):
+            span = line.split()[0].split("-")
+            if len(span) == 2 and int(span[0], 16) <= address < int(span[1], 16):
+                flags = next(f for f in lines[i + 1 :] if f.startswith("VmFlags:"))
+                assert " hg" in flags  # MADV_HUGEPAGE
+                break
+        else:
+            pytest.fail("no mapping holds the tensor")
+    for empty in ([0], [0, 5]):
+        assert zeros(empty, dtype).numel() == 0
+    with pytest.raises(RuntimeError, match=">= 0"):
+        zeros([-1], dtype)
