@@ -106,13 +106,17 @@ class ModelRunner:
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, *self.kv_shape)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.hf_config.num_hidden_layers)
-        ]
+        huge = cpu_kernels.op("zeros_on_huge_pages") if self.device.type == "cpu" else None
+
+        def zeros() -> torch.Tensor:
+            if huge is None:
+                return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            # on 2 MiB pages where the OS gives them (decode attention reads each sequence's
+            # blocks all over the cache: fewer TLB misses), written now so that the whole
+            # cache is held from the start, as torch.zeros holds it
+            return huge(list(shape), self.dtype).zero_()
+
+        return [(zeros(), zeros()) for _ in range(self.hf_config.num_hidden_layers)]
 
     def _use_decode_graphs(self) -> bool:
         """Decode steps as CUDA graphs: on CUDA with the paged decode kernel (the graphs need

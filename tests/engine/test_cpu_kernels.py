@@ -332,3 +332,14 @@ def test_zeros_on_huge_pages_are_zeros_at_a_huge_page_asking_for_huge_pages(dtyp
         assert zeros(empty, dtype).numel() == 0
     with pytest.raises(RuntimeError, match=">= 0"):
         zeros([-1], dtype)
+
+
+def test_the_cpu_kv_cache_is_zeros_on_huge_pages():
+    from serve_app.engine.config import EngineConfig
+    from serve_app.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model="demo-tiny", dtype="float32", num_kv_blocks=64))
+    for k, v in runner.kv_caches:
+        for cache in (k, v):
+            assert cache.shape[0] == 64 and not cache.any()
+            assert cache.data_ptr() % (1 << 21) == 0  # zeros_on_huge_pages' memory
