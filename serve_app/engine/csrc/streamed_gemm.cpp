@@ -463,9 +463,9 @@ at::Tensor pack_panels(const at::Tensor& xs, const std::vector<Group>& slice) {
 // x: [M, K] as XOf<T> (float32, or bfloat16 for a weight in pairs), contiguous or as panels
 // (pack_panels), times the packed weight's blocks. A range of blocks is gone through once per
 // slice of rows, so a many-row x (a prefill) meets no barrier between slices and the range's
-// blocks stay in its thread's cache from one slice to the next. A block is multiplied by one register tile per group of rows and per
-// kTileCols of its columns (one on AVX-512; on AVX2 its left half for every group, then its right
-// half).
+// blocks stay in its thread's cache from one slice to the next. A block is multiplied by one
+// register tile per group of rows and per kTileCols of its columns (one on AVX-512; on AVX2 its
+// left half for every group, then its right half).
 template <typename T>
 struct Gemm {
   const XOf<T>* xd;
