@@ -17,8 +17,9 @@ engine keeps its portable torch path and logs why once. The ops:
   with AVX2 and FMA, where it was measured; `op` says None elsewhere. `streamed_bf16_pairs`:
   whether this build multiplies bfloat16 with AVX512-BF16 dot products, on weights packed in
   pairs of k (cpu_gemm.bf16_pairs). `zeros_on_huge_pages`: the zeroed memory StreamedLinear
-  packs its weight into, on 2 MiB pages where the Linux kernel gives them (fewer TLB misses
-  while a step streams the weights; csrc/huge_pages.cpp).
+  packs its weight into and the CPU KV cache lives in (model_runner.py), on 2 MiB pages where
+  the Linux kernel gives them (fewer TLB misses while a step streams the weights and reads the
+  cache; csrc/huge_pages.cpp).
 - `use_spare_cpus`, `spare_cores_stats`: helper threads on spare cores, at idle priority, that
   share the streamed GEMMs, decode attention and the greedy argmax with the calling thread
   (csrc/spare_cores.h; cpus.lend_spare_cores), and how many chunks the caller, the helpers

@@ -368,8 +368,8 @@ void pair_tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* block, c1
     const Vec w0 = load(block + (K - 1) * kCols);
     const Vec w1 = load(block + (K - 1) * kCols + kWidth);
     for (int64_t r = 0; r < R; ++r) {
-      // (in a panel, the last k's elements side by side after the pairs)
-      const Vec a = splat(static_cast<float>(x[Panel ? (K - 1) * R + r : r * K + K - 1]));
+      // (in a panel, the last k's elements side by side after the pairs: unit 1 finds them)
+      const Vec a = splat(static_cast<float>(x[x_at<R, Panel>(K, r, K - 1)]));
       acc[r][0] = fmadd(a, w0, acc[r][0]);
       acc[r][1] = fmadd(a, w1, acc[r][1]);
     }
