@@ -37,6 +37,8 @@ class Response:
         self.items, self.fail = list(items), fail
         self.ended = asyncio.Event()
         self.cancelled = False
+        self.read_to_end = False  # its reader took every item and the end
+        self.reading_cancelled = False  # its reader was cancelled while it waited
 
     def __aiter__(self):
         return self._run()
@@ -44,9 +46,14 @@ class Response:
     async def _run(self):
         for item in self.items:
             yield item
-        await self.ended.wait()
+        try:
+            await self.ended.wait()
+        except asyncio.CancelledError:
+            self.reading_cancelled = True
+            raise
         if self.fail is not None:
             raise self.fail
+        self.read_to_end = True
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -307,6 +314,42 @@ def test_a_request_is_forgotten_once_its_final_chunk_is_out():
 
     final, (queues, carriers) = asyncio.run(run())
     assert final.finished and queues == {} and carriers == {}
+
+
+def test_a_finished_request_reads_its_ray_stream_to_its_end_instead_of_cancelling_it():
+    """The replica ends a request's Ray stream right after its final chunk: cancelling that
+    stream while it is still open (a gRPC call cancelled on both sides) cost more than
+    reading its end."""
+
+    async def run():
+        inbox = TokenInbox(NODE)
+        response = Response([chunk("r1", 1, finished=True)])
+        chunks = await read_all(inbox.stream(request("r1"), lambda: response))
+        await asyncio.sleep(0.05)
+        still_open = not response.reading_cancelled and not response.read_to_end
+        response.ended.set()  # the replica ends it
+        await asyncio.sleep(0.05)
+        inbox.close()
+        return chunks, still_open, response
+
+    chunks, still_open, response = asyncio.run(run())
+    assert chunks[-1].finished and still_open
+    assert response.read_to_end and not response.reading_cancelled and not response.cancelled
+
+
+def test_a_ray_stream_that_does_not_end_after_the_final_chunk_is_cancelled(monkeypatch):
+    monkeypatch.setattr(token_inbox, "LAST_CHUNK_S", 0.1)
+
+    async def run():
+        inbox = TokenInbox(NODE)
+        response = Response([chunk("r1", 1, finished=True)])  # and it never ends
+        chunks = await read_all(inbox.stream(request("r1"), lambda: response))
+        await asyncio.sleep(0.3)
+        inbox.close()
+        return chunks, response
+
+    chunks, response = asyncio.run(run())
+    assert chunks[-1].finished and response.reading_cancelled
 
 
 def test_the_replica_releases_and_forgets_the_link_of_an_ingress_that_went_away():
