@@ -17,13 +17,13 @@ from serve_app.messages import ReplicaChunk
 from serve_app.protocol.errors import APIError, Family
 from serve_app.protocol.event_json import compact_json
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"
 
 
-def event(payload: dict) -> str:
+def event(payload: dict) -> bytes:
     """One SSE event; compact JSON like MindIE's examples, non-ASCII text kept as is."""
-    return f"data: {compact_json(payload)}\n\n"
+    return b"data: " + compact_json(payload) + b"\n\n"
 
 
 async def peek(chunks: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
@@ -43,7 +43,7 @@ async def peek(chunks: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChun
     return replay()
 
 
-def sse_response(events: AsyncIterator[str], headers: dict | None = None) -> StreamingResponse:
+def sse_response(events: AsyncIterator[bytes], headers: dict | None = None) -> StreamingResponse:
     return StreamingResponse(
         events,
         media_type=MEDIA_TYPE,
@@ -56,10 +56,10 @@ async def rendered(
     render: Callable[[ReplicaChunk], list[dict]],
     family: Family,
     done: bool = False,
-    frame: Callable[[dict], str] = event,
+    frame: Callable[[dict], bytes] = event,
     error_event: Callable[[APIError], dict] | None = None,
-) -> AsyncIterator[str]:
-    """SSE text of each chunk's rendered payloads. A failure after the 200 can only travel in
+) -> AsyncIterator[bytes]:
+    """SSE bytes of each chunk's rendered payloads. A failure after the 200 can only travel in
     the stream: it is the last event, in the family's error envelope or as `error_event` makes
     it (then `[DONE]` if the family ends streams with it). `frame`: how a payload is written
     (the Responses API puts its type on an `event:` line too)."""

@@ -229,6 +229,6 @@ def _flat_choice(choice, has_tools: bool):
     return {"type": "function", "name": choice.function.name}
 
 
-def sse_event(payload: dict) -> str:
+def sse_event(payload: dict) -> bytes:
     """A Responses stream event: its type on an `event:` line, then the data."""
-    return f"event: {payload['type']}\ndata: {compact_json(payload)}\n\n"
+    return b"event: " + payload["type"].encode() + b"\ndata: " + compact_json(payload) + b"\n\n"
