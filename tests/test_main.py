@@ -43,6 +43,9 @@ def test_ray_serves_background_work_is_slowed_unless_the_user_set_it(monkeypatch
     assert os.environ["RAY_event_stats"] == "0"  # Ray's core: no event loop statistics
     assert os.environ["RAY_task_events_report_interval_ms"] == "0"  # nor task events
     assert os.environ["RAY_worker_niceness"] == "0"  # replicas and engines at normal priority
+    assert os.environ["REPORTER_UPDATE_INTERVAL_MS"] == "60000"  # the dashboard agent's stats
+    # the agent learns of its raylet's death from a pipe, not by polling
+    assert os.environ["RAY_enable_pipe_based_agent_to_parent_health_check"] == "1"
     assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "100"  # the user's
     assert os.environ["RAY_metrics_report_interval_ms"] == "10000"  # the user's
 
