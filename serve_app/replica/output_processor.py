@@ -81,9 +81,13 @@ class OutputProcessor:
     @property
     def all_finished(self) -> bool:
         """Every choice the request returns has finished (engine finish or stop string)."""
-        return len(self._choices) >= self.req.params.n and all(
-            c.finished for c in self._choices.values()
-        )
+        choices = self._choices
+        if len(choices) < self.req.params.n:
+            return False
+        for choice in choices.values():  # a loop: called for every output of every stream
+            if not choice.finished:
+                return False
+        return True
 
     def process(self, output: RequestOutput) -> ReplicaChunk | None:
         """The chunk to send for this engine output, or None when there is nothing to send yet.
@@ -163,8 +167,9 @@ class OutputProcessor:
         """
         if output.step_history is not None:
             return output.step_history
-        if any(co.new_token_ids for co in output.outputs):
-            return [output.metrics]
+        for co in output.outputs:
+            if co.new_token_ids:
+                return [output.metrics]
         return []
 
     def error_chunk(self, kind: ErrorKind, message: str) -> ReplicaChunk:

@@ -24,6 +24,8 @@ class ChunkHold:
     def pass_on(self, chunk: ReplicaChunk) -> ReplicaChunk | None:
         """The chunk to send now, with what was held before it; None while it is held. A final
         chunk (`finished`) goes at once, with what was held unless it is an error."""
+        if self.interval <= 1:  # never holds: each chunk brings a token, or ends the stream
+            return chunk
         if self._held is not None and chunk.error is None:
             held, self._held = self._held, None
             held.absorb(chunk)
