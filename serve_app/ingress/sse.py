@@ -7,7 +7,7 @@ has really started answers 200 (Ray Serve LLM does the same).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
@@ -30,17 +30,33 @@ async def peek(chunks: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChun
     """Awaits the first chunk now (errors raise here, before the response starts) and returns
     an iterator that yields it again followed by the rest."""
     first = await anext(chunks, None)
+    return _Replay(first, chunks)
 
-    async def replay() -> AsyncIterator[ReplicaChunk]:
-        try:
-            if first is not None:
-                yield first
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()
 
-    return replay()
+class _Replay:
+    """`first`, then the rest of `chunks`: after the first, each `__anext__` is the stream's
+    own (not an async generator around it: one hop less per streamed chunk). Closing it
+    closes the stream."""
+
+    def __init__(self, first: ReplicaChunk | None, chunks: AsyncIterator[ReplicaChunk]) -> None:
+        self._first, self._chunks = first, chunks
+
+    def __aiter__(self) -> _Replay:
+        return self
+
+    def __anext__(self) -> Awaitable[ReplicaChunk]:
+        first, self._first = self._first, None
+        if first is not None:
+            return _ready(first)
+        return self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._chunks.aclose()
+
+
+async def _ready(value: ReplicaChunk) -> ReplicaChunk:
+    return value
 
 
 def sse_response(events: AsyncIterator[bytes], headers: dict | None = None) -> StreamingResponse:
