@@ -4,6 +4,10 @@
     .venv/bin/python bench/serve.py --target ours=http://127.0.0.1:8000/v1 \\
         --prompt-len uniform:64:256 --output-len 128 --ignore-eos --concurrency 1,4,16
 
+    # ours started and stopped by the bench from a Serve config, then vLLM's CPU build on the
+    # same weights: each server measured with the machine to itself
+    .venv/bin/python bench/serve.py --serve bench/demo.yaml --peers vllm --token-ids --ignore-eos
+
     # ours against a vLLM server on port 8001 (same model weights), one line per system
     .venv/bin/python bench/serve.py --target ours=http://127.0.0.1:8000/v1 \\
         --target vllm=http://127.0.0.1:8001/v1 --model demo --api chat --ignore-eos
@@ -13,10 +17,11 @@ with text (TTFT), the gaps between chunks with text (ITL), the end-to-end time, 
 (the server's `usage` when sent, else the number of text chunks) and any error (HTTP status,
 error event, exception, per-request timeout). Per target and per load level (a concurrency, or a
 Poisson request rate with `--rate`) it reports throughput and latency percentiles, prints a
-table, writes a JSON result and, with matplotlib, PNG plots. Only the given URLs are contacted,
-and the peers `--peers` starts (bench/peers.py: vLLM's CPU build, `transformers serve`) on the
-same weights folder, one after the other, after the targets; the table then gives each
-target's throughput as a ratio to each peer's at every level. See bench/README.md.
+table, writes a JSON result and, with matplotlib, PNG plots. It contacts only the given URLs,
+our server that `--serve` starts from a Serve config (and stops before anything else runs), and
+the peers `--peers` starts (bench/peers.py: vLLM's CPU build, `transformers serve`) on the same
+weights folder, one after the other, after the targets; the table then gives each target's
+throughput as a ratio to each peer's at every level. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # importable from a test, not only runnable as a script
@@ -49,6 +56,15 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
 )
 from peers import REFUSES, Peer, PeerUnavailable, parse_peers  # noqa: E402
 from proc_cpu import TreeCPU  # noqa: E402
+from server_process import (  # noqa: E402
+    START_TIMEOUT_S,
+    first_model,
+    resolved_dtype,
+    server_command,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 from sse_client import HTTPStatusError, StreamClient  # noqa: E402
 
 try:  # parses a chunk's JSON ~5x faster than json; strict, so json takes what it refuses
@@ -58,6 +74,8 @@ except ImportError:
 
 DEFAULT_TARGET = "ours=http://127.0.0.1:8000/v1"
 DEFAULT_CONCURRENCY = "1,4,16,32,64"
+SERVED_NAME = "ours"  # the target --serve starts
+SETTLE_S = 5.0  # quiet after the --serve server stopped, before the next target or peer
 INSTALL_HINT = "pip install -e '.[bench]'"
 # Common English words: with a leading space each is one token in the usual BPE vocabularies,
 # so a text prompt of N words is about N tokens for any server (no tokenizer needed here).
@@ -251,6 +269,7 @@ class Target:
     base_url: str  # e.g. http://127.0.0.1:8000/v1
     model: str | None = None
     server_pids: list[int] = field(default_factory=list)  # whose CPU a level measures (+ tree)
+    spec: dict | None = None  # --serve: the Serve config this bench starts our server from
 
 
 class Progress:
@@ -619,11 +638,42 @@ async def bench_all(args) -> dict:
     deadline = time.perf_counter() + args.max_run_s
     results = {}
     for target in args.targets:
+        if target.spec is not None:
+            results[target.name] = await bench_served(target, args, deadline)
+            continue
         log(f"{target.name}: {target.base_url}")
         results[target.name] = await bench_target(target, args, deadline)
     for name in args.peers:
         results[name] = await bench_peer(name, args, deadline)
     return results
+
+
+async def bench_served(target: Target, args, deadline: float) -> dict:
+    """--serve: start our server from the config (`python -m serve_app` on a free port), bench
+    it like any target with its process tree's CPU, and stop it, so that the next target or
+    peer has the machine to itself (an idle server of ours beside it takes a few % of a core).
+    A server that does not get ready in time is skipped with the end of its log."""
+    log_path = args.out.with_name(f"{args.out.stem}-{target.name}.log")
+    log(f"{target.name}: starting our server from {args.serve} (log {log_path}) ...")
+    process = None
+    try:
+        process, url = await asyncio.to_thread(start_server, target.spec, log_path)
+        await asyncio.to_thread(wait_ready, url, args.serve_start_timeout, process, log_path)
+        target.base_url = f"{url}/v1"
+        target.server_pids = [process.pid] if TreeCPU.available() else []
+        log(f"{target.name}: {target.base_url}")
+        result = await bench_target(target, args, deadline)
+    except (RuntimeError, OSError) as exc:
+        log(f"{target.name}: skipped: {exc}")
+        result = {"url": None, "model": target.model, "levels": [],
+                  "skipped": list(args.levels), "error": str(exc)}  # fmt: skip
+    finally:
+        if process is not None:
+            await asyncio.to_thread(stop_server, process)
+            await asyncio.sleep(SETTLE_S)
+    command = " ".join(server_command(log_path.with_suffix(".yaml")))
+    result["server"] = {"config": str(args.serve), "command": command, "log": str(log_path)}
+    return result
 
 
 async def bench_peer(name: str, args, deadline: float) -> dict:
@@ -730,6 +780,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=URL",
         help=f"an OpenAI-compatible base URL, repeatable (default {DEFAULT_TARGET})",
     )
+    p.add_argument(
+        "--serve",
+        type=Path,
+        metavar="CONFIG",
+        help="start our server from this Serve config (python -m serve_app on a free port), "
+        f"bench it as the target {SERVED_NAME!r} with its processes' CPU, and stop it before "
+        "the next target or peer; its first model gives --model and, with --peers, the "
+        "peers' weights and dtype",
+    )
+    p.add_argument(
+        "--serve-start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        help="seconds the --serve server may take to be ready",
+    )
     p.add_argument("--model", help="served model name (default: the first of GET {base}/models)")
     p.add_argument(
         "--server-pid",
@@ -776,10 +841,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peer-model-dir",
         type=Path,
-        help="weights folder for the peers (default: the built-in demo model, the weights "
-        "bench/demo.yaml serves)",
+        help="weights folder for the peers (default: the --serve config's first model, else "
+        "the built-in demo model, the weights bench/demo.yaml serves)",
     )
-    p.add_argument("--peer-dtype", default="bfloat16", help="peers' dtype (default bfloat16)")
+    p.add_argument(
+        "--peer-dtype",
+        help="peers' dtype (default: the --serve model's, as our engine resolves it here; "
+        "else bfloat16)",
+    )
     p.add_argument(
         "--peer-start-timeout",
         type=float,
@@ -874,6 +943,23 @@ def parse_target(text: str) -> Target:
     return Target(name, url.rstrip("/"))
 
 
+def served_target(path: Path, parser: argparse.ArgumentParser) -> tuple[Target, str, str]:
+    """The --serve target (its URL once started), its first model's weights and dtype."""
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--serve {path}: {exc}")
+    if not isinstance(spec, dict):
+        parser.error(f"--serve {path}: not a Serve config (want a YAML mapping)")
+    try:
+        model, weights, dtype = first_model(spec)
+    except SystemExit as exc:
+        parser.error(f"--serve {path}: {exc}")
+    except (KeyError, TypeError) as exc:
+        parser.error(f"--serve {path}: its first ModelConfig lacks {exc}")
+    return Target(SERVED_NAME, "", model, spec=spec), weights, dtype
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
@@ -884,21 +970,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.peers = parse_peers(args.peers) if args.peers is not None else []
         args.prompt_len = parse_length(args.prompt_len)
         args.output_len = parse_length(args.output_len)
-        args.targets = [parse_target(t) for t in args.target or [DEFAULT_TARGET]]
+        args.targets = [
+            parse_target(t) for t in args.target or ([] if args.serve else [DEFAULT_TARGET])
+        ]
         for target in args.targets:
             target.server_pids = list(args.server_pid or [])
     except ValueError as exc:
         parser.error(str(exc))
+    served_weights, served_dtype = None, None
+    if args.serve is not None:
+        served, served_weights, served_dtype = served_target(args.serve, parser)
+        args.targets.insert(0, served)
     for pid in args.server_pid or []:
         if not TreeCPU.exists(pid):
             parser.error(f"--server-pid {pid}: no such process here (server CPU needs Linux /proc)")
     names = [t.name for t in args.targets] + args.peers
     if len(set(names)) != len(names):
-        parser.error("--target names must differ (from each other and from --peers)")
+        parser.error(
+            f"--target names must differ (from each other, from --peers and, with --serve, "
+            f"from {SERVED_NAME!r})"
+        )
     if args.peers and args.peer_model_dir is None:
-        from serve_app.models.demo import ensure_demo_model
+        from serve_app.models.loader import resolve_model_path
 
-        args.peer_model_dir = ensure_demo_model("demo")
+        try:
+            args.peer_model_dir = resolve_model_path(served_weights or "demo")
+        except (OSError, ValueError) as exc:
+            parser.error(f"the peers' weights: {exc}")
+    if args.peer_dtype is None:
+        args.peer_dtype = resolved_dtype(served_dtype) if served_dtype else "bfloat16"
     args.rate = parse_levels(args.rate, float, parser) if args.rate is not None else None
     args.levels = args.rate or parse_levels(args.concurrency, int, parser)
     if args.duration is not None and args.duration <= 0:

@@ -23,6 +23,44 @@ from proc_cpu import session_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 90.0  # Ctrl-C to gone; then what is left is killed
+START_TIMEOUT_S = 600.0  # a first start builds the demo model into its cache
+
+
+def server_config(spec: dict, dtype: str | None) -> dict:
+    """The Serve config `spec` with, if given, every model in `dtype`."""
+    spec = copy.deepcopy(spec)
+    if dtype is not None:
+        for model in models_of(spec):
+            model["dtype"] = dtype
+    return spec
+
+
+def models_of(spec: dict) -> list[dict]:
+    """Every ModelConfig entry of every application of a Serve config."""
+    out = []
+    for app in spec.get("applications") or []:
+        backend = (app.get("args") or {}).get("BackendConfig") or {}
+        out.extend((backend.get("ModelDeployConfig") or {}).get("ModelConfig") or [])
+    return out
+
+
+def first_model(spec: dict) -> tuple[str, str, str]:
+    """(modelName, modelWeightPath, dtype) of the config's first model."""
+    models = models_of(spec)
+    if not models:
+        raise SystemExit("the config has no BackendConfig.ModelDeployConfig.ModelConfig entry")
+    model = models[0]
+    return model["modelName"], model["modelWeightPath"], model.get("dtype", "auto")
+
+
+def resolved_dtype(name: str) -> str:
+    """A config's dtype as the engine resolves it on this machine's CPU ("auto": bfloat16
+    where the CPU has bfloat16 arithmetic)."""
+    import torch
+
+    from serve_app.engine.device import pick_dtype
+
+    return str(pick_dtype(name, torch.device("cpu"))).removeprefix("torch.")
 
 
 def server_command(config: Path) -> list[str]:

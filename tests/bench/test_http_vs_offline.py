@@ -177,16 +177,16 @@ def test_a_failed_pair_keeps_the_pairs_before_it(hvo, sp, tmp_path, monkeypatch,
     assert not out.exists()
 
 
-def test_server_config(hvo):
-    spec = hvo.server_config(SPEC, "bfloat16")
-    assert [m["dtype"] for m in hvo.models_of(spec)] == ["bfloat16", "bfloat16"]
-    assert "dtype" not in hvo.models_of(SPEC)[0]  # the user's config is left as it was
-    assert hvo.server_config(SPEC, None) == SPEC
-    assert hvo.first_model(SPEC) == ("demo", "demo", "auto")
+def test_server_config(sp):
+    spec = sp.server_config(SPEC, "bfloat16")
+    assert [m["dtype"] for m in sp.models_of(spec)] == ["bfloat16", "bfloat16"]
+    assert "dtype" not in sp.models_of(SPEC)[0]  # the user's config is left as it was
+    assert sp.server_config(SPEC, None) == SPEC
+    assert sp.first_model(SPEC) == ("demo", "demo", "auto")
     with pytest.raises(SystemExit):
-        hvo.first_model({"applications": [{"args": {}}]})
-    assert hvo.resolved_dtype("float32") == "float32"
-    assert hvo.resolved_dtype("auto") in ("float32", "bfloat16")
+        sp.first_model({"applications": [{"args": {}}]})
+    assert sp.resolved_dtype("float32") == "float32"
+    assert sp.resolved_dtype("auto") in ("float32", "bfloat16")
 
 
 def test_the_server_gets_a_free_port_and_is_reached_on_its_host(sp, tmp_path, monkeypatch):

@@ -211,6 +211,115 @@ def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_th
     assert line.startswith("ours / vllm output tok/s  2: ")
 
 
+# --serve's stand-in for `python -m serve_app CONFIG`: the same app (no Ray) on the port that
+# bench/server_process.py wrote into the config's copy, answering /v2/health/ready.
+FAKE_SERVE = """
+import sys, uvicorn, yaml
+from serve_app.config import load_config
+from serve_app.ingress.app import create_app
+from serve_app.ingress.backend import LocalBackend
+from serve_app.replica.model_replica import ModelReplica
+from serve_app.tokenizer.pool import TokenizerPool
+spec = yaml.safe_load(open(sys.argv[1]))
+config = load_config(spec["applications"][0]["args"])
+backend = LocalBackend(TokenizerPool(config), {"demo": ModelReplica(config)})
+uvicorn.run(create_app(config, backend), host="127.0.0.1", port=spec["http_options"]["port"],
+            log_level="warning")
+"""
+
+
+def serve_config(tmp_path, dtype="float32"):
+    """A Serve config file whose first model is demo-tiny, as `--serve` reads it."""
+    import yaml
+
+    args = json.loads(json.dumps(CONFIG))
+    args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["dtype"] = dtype
+    spec = {
+        "http_options": {"host": "127.0.0.1", "port": 1},
+        "applications": [{"name": "serve_app", "import_path": "serve_app.app:build_app",
+                          "args": args}],
+    }  # fmt: skip
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_serve_starts_our_server_benches_it_and_stops_it_before_the_peer_starts(
+    sb, tmp_path, monkeypatch
+):
+    sp, peers = sys.modules["server_process"], sys.modules["peers"]
+    monkeypatch.setattr(sp, "server_command", lambda config: [sys.executable, "-c", FAKE_SERVE,
+                                                              str(config)])  # fmt: skip
+    monkeypatch.setattr(sb, "SETTLE_S", 0.0)
+    ours = []
+
+    def start_server(spec, log_path):
+        process, url = sp.start_server(spec, log_path)
+        ours.append(process)
+        return process, url
+
+    monkeypatch.setattr(sb, "start_server", start_server)
+    at_peer_start = []
+
+    def command(self):
+        at_peer_start.append(ours[0].poll())  # our server: already gone
+        return [sys.executable, "-c", FAKE_PEER.format(config=CONFIG), str(self.port)], None
+
+    monkeypatch.setattr(peers.Peer, "command", command)
+    out = tmp_path / "served.json"
+    argv = [
+        f"--serve={serve_config(tmp_path)}", "--peers=vllm", f"--peer-model-dir={tmp_path}",
+        "--concurrency=2", "--num-requests=2", "--prompt-len=4", "--output-len=4",
+        "--ignore-eos", "--warmup=0", "--timeout=60", "--no-progress", "--no-plot",
+        f"--out={out}",
+    ]  # fmt: skip
+    args = sb.parse_args(argv)
+    assert [t.name for t in args.targets] == ["ours"] and args.targets[0].model == "demo"
+    assert args.peer_dtype == "float32"  # the served model's dtype, not bfloat16
+    sb.bench(args)
+    report = json.loads(out.read_text())
+    served = report["results"]["ours"]
+    assert served["levels"][0]["completed"] == 2 and served["levels"][0]["errors"] == 0
+    assert served["levels"][0]["server_cpu_us_per_token"] > 0  # its process tree, measured
+    assert report["targets"]["ours"]["url"].startswith("http://127.0.0.1:")
+    assert served["server"]["config"] == str(tmp_path / "serve.yaml")
+    assert served["server"]["log"] == str(tmp_path / "served-ours.log")
+    assert ours[0].poll() is not None and at_peer_start and at_peer_start[0] is not None
+    assert report["results"]["vllm"]["levels"][0]["completed"] == 2
+    (line,) = sb.ratio_lines(report["results"], args)
+    assert line.startswith("ours / vllm output tok/s  2: ")
+
+
+def test_a_served_server_that_does_not_start_is_skipped_with_its_log(sb, tmp_path, monkeypatch):
+    sp = sys.modules["server_process"]
+    failing = [sys.executable, "-c", "print('no model here'); raise SystemExit(2)"]
+    monkeypatch.setattr(sp, "server_command", lambda config: failing)
+    monkeypatch.setattr(sb, "SETTLE_S", 0.0)
+    out = tmp_path / "failed.json"
+    argv = [f"--serve={serve_config(tmp_path)}", "--concurrency=2", "--num-requests=2",
+            "--warmup=0", "--no-progress", "--no-plot", f"--out={out}"]  # fmt: skip
+    sb.bench(sb.parse_args(argv))
+    served = json.loads(out.read_text())["results"]["ours"]
+    assert served["levels"] == [] and served["skipped"] == [2]
+    assert "exited with 2" in served["error"] and "no model here" in served["error"]
+
+
+def test_serve_arguments(sb, tmp_path):
+    path = serve_config(tmp_path, dtype="bfloat16")
+    args = sb.parse_args([f"--serve={path}", "--target=other=http://127.0.0.1:1/v1"])
+    assert [t.name for t in args.targets] == ["ours", "other"]  # ours first, then the rest
+    assert args.peer_dtype == "bfloat16"
+    assert sb.parse_args([]).peer_dtype == "bfloat16"  # no --serve: as before
+    assert sb.parse_args([f"--serve={path}", "--peer-dtype=float32"]).peer_dtype == "float32"
+    with pytest.raises(SystemExit):  # its name is taken
+        sb.parse_args([f"--serve={path}", "--target=ours=http://127.0.0.1:1/v1"])
+    with pytest.raises(SystemExit):
+        sb.parse_args([f"--serve={tmp_path / 'missing.yaml'}"])
+    (tmp_path / "empty.yaml").write_text("applications: []\n")
+    with pytest.raises(SystemExit):  # no model to serve
+        sb.parse_args([f"--serve={tmp_path / 'empty.yaml'}"])
+
+
 def test_a_peer_that_cannot_start_is_unavailable_with_its_log(sb, tmp_path, monkeypatch):
     peers = sys.modules["peers"]
     failing = [sys.executable, "-c", "print('no such backend'); raise SystemExit(3)"]
