@@ -13,6 +13,9 @@ import os
 from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
+# How many helpers this process lent its kernels (lend_spare_cores); 0: none, no chunk counts.
+_helpers = 0
+CHUNK_KEYS = ("cpu_chunks_step_loop", "cpu_chunks_helpers", "cpu_chunks_taken_back")
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -92,6 +95,7 @@ def lend_spare_cores(cores: Iterable[int]) -> int:
     are not built here (cpu_kernels logs why), or where the system refuses a helper its core or
     its priority (logged; the engine runs without).
     Check the cores with `check_cores` before binding the process elsewhere."""
+    global _helpers
     cores = sorted(set(cores))
     if not cores:
         return 0
@@ -101,11 +105,26 @@ def lend_spare_cores(cores: Iterable[int]) -> int:
     if use is None:
         return 0
     try:
-        return int(use(cores))
+        _helpers = int(use(cores))
     except RuntimeError as exc:
+        _helpers = 0  # a refused helper stops the others (spare_cores.cpp)
         log.warning("spare cores %s not lent, the engine runs without helpers: %s",
                     format_cpus(cores), str(exc).splitlines()[0])  # fmt: skip
-        return 0
+    return _helpers
+
+
+def shared_chunks() -> dict[str, int]:
+    """Where the kernels shared with the helpers ran, chunks since the process started: on the
+    step loop's own cores (`cpu_chunks_step_loop`), on the helpers' (`cpu_chunks_helpers`), and
+    claimed by a helper but computed again by the step loop because the helper was still at it
+    when the rest was done (`cpu_chunks_taken_back`: it was preempted, or just slower). {} where
+    this process lent no helpers."""
+    if not _helpers:
+        return {}
+    from serve_app.engine import cpu_kernels
+
+    counts = cpu_kernels.op("spare_cores_stats")()
+    return dict(zip(CHUNK_KEYS, (int(c) for c in counts[:3]), strict=True))
 
 
 def serving_cores(engine_cores: Iterable[int]) -> set[int] | None:

@@ -14,6 +14,7 @@ import torch
 
 from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.cpus import shared_chunks
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.intake import Intake
 from serve_app.engine.kv_cache import KVCacheManager
@@ -127,6 +128,7 @@ class LLMEngine:
             "prefix_cache_queries": pool.num_cache_queries,
             "num_kv_exports": self.updater.num_kv_exports,
             "num_kv_imports": self.num_kv_imports,
+            **shared_chunks(),  # with engineSpareCpus: the helpers' share of the CPU kernels
         }
 
     # -- the step -------------------------------------------------------------------------------

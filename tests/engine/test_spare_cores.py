@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from serve_app.engine import EngineConfig, SamplingParams, cpu_gemm, cpu_kernels
+from serve_app.engine import EngineConfig, SamplingParams, cpu_gemm, cpu_kernels, cpus
 from serve_app.engine.async_engine import AsyncEngine
-from serve_app.engine.cpus import lend_spare_cores
+from serve_app.engine.cpus import CHUNK_KEYS, lend_spare_cores, shared_chunks
 from serve_app.engine.inputs import EngineRequest
 
 use_spare_cpus = cpu_kernels.op("use_spare_cpus")
@@ -321,6 +321,10 @@ def test_the_engine_process_lends_its_gemms_the_spare_cores():
             return out
 
         assert len(asyncio.run(tokens())) == 12
+        # its stats (as of its last step) say where the shared kernels ran
+        chunks = {key: engine.stats()[key] for key in CHUNK_KEYS}
+        assert chunks["cpu_chunks_step_loop"] + chunks["cpu_chunks_helpers"] > 0
+        assert chunks["cpu_chunks_taken_back"] >= 0
     finally:
         engine.shutdown()
 
@@ -330,3 +334,28 @@ def test_spare_cores_need_the_engine_process_and_are_not_its_own():
         CONFIG.replace(engine_spare_cpus=(0,))
     with pytest.raises(ValueError, match="engineSpareCpus 1 are engineCpus too"):
         PROCESS.replace(engine_cpus=(1,), engine_spare_cpus=(0, 1))
+
+
+def test_an_engine_without_helpers_reports_no_chunks(monkeypatch):
+    monkeypatch.setattr(cpus, "_helpers", 0)
+    assert shared_chunks() == {}
+    engine = AsyncEngine(CONFIG)  # on a thread: never lent helpers
+    try:
+        assert not set(CHUNK_KEYS) & set(engine.stats())
+    finally:
+        engine.shutdown()
+
+
+def test_lent_helpers_count_the_chunks_of_a_shared_gemm(monkeypatch):
+    monkeypatch.setattr(cpus, "_helpers", 0)
+    try:
+        assert lend_spare_cores([CORE]) == 1
+        before = shared_chunks()
+        layer = cpu_gemm.StreamedLinear(torch.randn(9005, 64))
+        layer(torch.randn(4, 64))
+        after = shared_chunks()
+        assert set(after) == set(CHUNK_KEYS)
+        shared = sum(after[k] - before[k] for k in CHUNK_KEYS[:2])
+        assert shared > 1  # the GEMM was cut in chunks, each counted once where it ran
+    finally:
+        assert use_spare_cpus([]) == 0
