@@ -13,8 +13,9 @@ import os
 from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
-# How many helpers this process lent its kernels (lend_spare_cores); 0: none, no chunk counts.
-_helpers = 0
+# The helpers' chunk counters (op spare_cores_stats) while this process lends its kernels
+# helpers (lend_spare_cores); None: it lends none, and reports no chunk counts.
+_chunk_counts = None
 CHUNK_KEYS = ("cpu_chunks_step_loop", "cpu_chunks_helpers", "cpu_chunks_taken_back")
 
 
@@ -95,7 +96,7 @@ def lend_spare_cores(cores: Iterable[int]) -> int:
     are not built here (cpu_kernels logs why), or where the system refuses a helper its core or
     its priority (logged; the engine runs without).
     Check the cores with `check_cores` before binding the process elsewhere."""
-    global _helpers
+    global _chunk_counts
     cores = sorted(set(cores))
     if not cores:
         return 0
@@ -105,12 +106,13 @@ def lend_spare_cores(cores: Iterable[int]) -> int:
     if use is None:
         return 0
     try:
-        _helpers = int(use(cores))
+        helpers = int(use(cores))
     except RuntimeError as exc:
-        _helpers = 0  # a refused helper stops the others (spare_cores.cpp)
+        helpers = 0  # a refused helper stops the others (spare_cores.cpp)
         log.warning("spare cores %s not lent, the engine runs without helpers: %s",
                     format_cpus(cores), str(exc).splitlines()[0])  # fmt: skip
-    return _helpers
+    _chunk_counts = cpu_kernels.op("spare_cores_stats") if helpers else None
+    return helpers
 
 
 def shared_chunks() -> dict[str, int]:
@@ -119,12 +121,9 @@ def shared_chunks() -> dict[str, int]:
     claimed by a helper but computed again by the step loop because the helper was still at it
     when the rest was done (`cpu_chunks_taken_back`: it was preempted, or just slower). {} where
     this process lent no helpers."""
-    if not _helpers:
+    if _chunk_counts is None:
         return {}
-    from serve_app.engine import cpu_kernels
-
-    counts = cpu_kernels.op("spare_cores_stats")()
-    return dict(zip(CHUNK_KEYS, (int(c) for c in counts[:3]), strict=True))
+    return dict(zip(CHUNK_KEYS, (int(c) for c in _chunk_counts()[:3]), strict=True))
 
 
 def serving_cores(engine_cores: Iterable[int]) -> set[int] | None:

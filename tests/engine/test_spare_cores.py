@@ -337,7 +337,7 @@ def test_spare_cores_need_the_engine_process_and_are_not_its_own():
 
 
 def test_an_engine_without_helpers_reports_no_chunks(monkeypatch):
-    monkeypatch.setattr(cpus, "_helpers", 0)
+    monkeypatch.setattr(cpus, "_chunk_counts", None)
     assert shared_chunks() == {}
     engine = AsyncEngine(CONFIG)  # on a thread: never lent helpers
     try:
@@ -347,7 +347,7 @@ def test_an_engine_without_helpers_reports_no_chunks(monkeypatch):
 
 
 def test_lent_helpers_count_the_chunks_of_a_shared_gemm(monkeypatch):
-    monkeypatch.setattr(cpus, "_helpers", 0)
+    monkeypatch.setattr(cpus, "_chunk_counts", None)
     try:
         assert lend_spare_cores([CORE]) == 1
         before = shared_chunks()
