@@ -13,7 +13,7 @@ event loop instead of a second thread, gRPC as the default of handles made in th
 ingress's bound handles are made by the app's builder: it asks for gRPC itself,
 `ingress/deployment.over_grpc`), and the handle's router on the caller's loop. Each streamed
 chunk then costs fewer thread hops and no Ray task submission; on 2 cores this raised the HTTP
-throughput at 32 streams by about a fifth (README, "Over HTTP").
+throughput at 32 streams by about a fifth (docs/performance.md, "Over HTTP").
 Ray Serve's own request metrics are exported once a second instead of ten times (each replica,
 and each handle's router, wakes up for it).
 """
