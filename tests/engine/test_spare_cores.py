@@ -245,17 +245,19 @@ def test_a_small_gemm_keeps_eight_chunks_however_fast_the_machine(helpers):
     assert chunks >= 8
 
 
-def test_the_last_blocks_of_a_gemm_of_few_long_blocks_are_cut_in_rows(helpers):
-    # 16 blocks x 300 rows (7 slices of rows): at most 2 blocks a chunk (at least 8 chunks), so
-    # the last two chunks' worth, 4 blocks, are cut in rows (2 pieces each) instead of quarters
-    # of a chunk, which cannot be smaller than a block; at 1 block a chunk the last 2 blocks in
-    # 4 pieces each. Whoever computes which piece, the result is the caller's own.
+def test_a_gemm_of_many_rows_is_cut_in_slices_of_rows_with_every_block(helpers):
+    # 16 blocks x 1000 rows (21 slices of at most 48): at most 2 blocks of all the rows a chunk
+    # (at least 8 chunks), the same work as 2 slices with every block, so 9 chunks of 2 slices
+    # (the last of one), then the last two chunks' worth, 4 slices, each in 2 pieces of 8
+    # blocks; at 1 block a chunk, 1 slice: 19 chunks, then the last 2 slices in 4 pieces each.
+    # A chunk's rows stay in the cache while the weight streams by (cut in blocks, each chunk
+    # read every row again). Whoever computes which piece, the result is the caller's own.
     torch.manual_seed(0)
-    layer, x = cpu_gemm.StreamedLinear(torch.randn(500, 512)), torch.randn(300, 512)
+    layer, x = cpu_gemm.StreamedLinear(torch.randn(500, 512)), torch.randn(1000, 512)
     with torch.inference_mode():
         expect = layer(x)  # no helpers yet: the caller's own
     helpers()
-    for factors, pieces in (([64.0, 64.0], 6 + 4 * 2), ([0.25, 0.25], 14 + 2 * 4)):
+    for factors, pieces in (([64.0, 64.0], 9 + 4 * 2), ([0.25, 0.25], 19 + 2 * 4)):
         chunks, got = _chunks_of_one_call(layer, x, factors)
         assert chunks == pieces
         assert torch.equal(got, expect)
