@@ -582,12 +582,12 @@ std::vector<double> streamed_gemm_speed(c10::ArrayRef<double> set) {
   return {measured_speed[0].load(), measured_speed[1].load()};
 }
 
-// The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of whole blocks: the
-// last two chunks' worth cut in quarters, so that a caller which takes back the chunk of a late
-// helper at the end redoes a quarter of one. A GEMM of one slice of rows (a decode step) is cut
-// in blocks; one of many rows (a prefill) in slices of rows, each with every block (`cut_rows`).
-// It holds the tensors it reads: a helper whose chunk the caller took back may still be
-// multiplying it after the caller returned.
+// The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of about the same
+// work: the last two chunks' worth cut in quarters, so that a caller which takes back the chunk
+// of a late helper at the end redoes a quarter of one. A GEMM of one slice of rows (a decode
+// step) is cut in blocks; one of many rows (a prefill) in slices of rows, each with every block
+// (`cut_rows`). It holds the tensors it reads: a helper whose chunk the caller took back may
+// still be multiplying it after the caller returned.
 template <typename T>
 struct SharedGemm final : serve_app_cpu::SharedJob {
   // blocks [b0, b1) of the rows of slices [s0, s1)
@@ -623,7 +623,7 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
   // chunks' worth in quarters (of per_chunk slices, or where that is under 4, each slice in
   // quarters of the blocks). A chunk's rows stay in its core's cache while the weight streams
   // by; cut in blocks, every chunk read all the rows again (at 4096 rows, 4 MB of them in
-  // bfloat16 for each block of 32 columns): the demo's gate, up and down projections at 4096
+  // bfloat16 for each block of 32 columns): the demo's gate, down and qkv projections at 4096
   // rows took 1.06x the time of two torch threads' static halves, cut in rows 0.97x.
   static std::vector<Piece> cut_rows(int64_t blocks, int64_t per_chunk, int64_t slices) {
     const int64_t head = slices - std::min(slices, 2 * per_chunk);
