@@ -558,17 +558,18 @@ def test_completion_stream_n_best_of_equal_and_usage_on_last_chunk(client, kv_id
 
 @pytest.fixture
 def paced_steps(route_app, monkeypatch):
-    """Each engine step of the route app's replica 20 ms long. A stream whose consumer falls
+    """Each engine step of the route app's replica 50 ms long. A stream whose consumer falls
     behind the engine gets the waiting tokens as one chunk, by design: demo-tiny's sub-ms steps
     outran the event loop on a busy machine (the suite's other worker), so tests of chunk sizes
-    pace the engine, and the sizes they assert are stream_interval's alone."""
+    pace the engine, and the sizes they assert are stream_interval's alone (at 20 ms a step,
+    a clean clone's CI once merged two of a Triton stream's chunks)."""
     import time
 
     engine = route_app.state.replica.engine.engine  # the step loop runs on a thread here
     step = engine.step
 
     def paced():
-        time.sleep(0.02)
+        time.sleep(0.05)
         return step()
 
     monkeypatch.setattr(engine, "step", paced)
