@@ -23,8 +23,9 @@ engine keeps its portable torch path and logs why once. The ops:
 - `use_spare_cpus`, `spare_cores_stats`: helper threads on spare cores, at idle priority, that
   share the streamed GEMMs, decode attention and the greedy argmax with the calling thread
   (csrc/spare_cores.h; cpus.lend_spare_cores), and how many chunks the caller, the helpers
-  and the caller again (late helpers) computed, and how many jobs the helpers found awake
-  (spinning after the last one) or only after sleeping.
+  and the caller again (late helpers) computed, how many jobs the helpers found awake
+  (spinning after the last one) or only after sleeping, and how many parts of the chunks
+  taken back a helper had already put in place.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the

@@ -118,9 +118,10 @@ def lend_spare_cores(cores: Iterable[int]) -> int:
 def shared_chunks() -> dict[str, int]:
     """Where the kernels shared with the helpers ran, chunks since the process started: on the
     step loop's own cores (`cpu_chunks_step_loop`), on the helpers' (`cpu_chunks_helpers`), and
-    claimed by a helper but computed again by the step loop because the helper was still at it
-    when the rest was done (`cpu_chunks_taken_back`: it was preempted, or just slower). {} where
-    this process lent no helpers."""
+    claimed by a helper but finished by the step loop because the helper was still at it when
+    the rest was done (`cpu_chunks_taken_back`: it was preempted, or just slower; the parts of a
+    decode GEMM's chunk it had put in place are kept). {} where this process lent no
+    helpers."""
     if _chunk_counts is None:
         return {}
     return dict(zip(CHUNK_KEYS, (int(c) for c in _chunk_counts()[:3]), strict=True))

@@ -170,8 +170,8 @@ _ENGINE_METRICS = (
      "engineSpareCpus: chunks of the shared CPU kernels the helpers on spare cores computed.",
      _key("cpu_chunks_helpers"), sum),
     (CounterMetricFamily, "cpu_chunks_taken_back",
-     "engineSpareCpus: chunks a helper claimed that the step loop computed again (the helper "
-     "was preempted or slower).", _key("cpu_chunks_taken_back"), sum),
+     "engineSpareCpus: chunks a helper claimed that the step loop finished (the helper was "
+     "preempted or slower).", _key("cpu_chunks_taken_back"), sum),
     (CounterMetricFamily, "kv_lost",
      "PD hand-offs whose KV never reached the decode replica (then recomputed or failed, per "
      "kvLossPolicy).", _key("num_kv_lost"), sum),

@@ -100,16 +100,16 @@ def _run(cases):
 
 
 @contextlib.contextmanager
-def _helper_on_core(helper_delay_us=0, team_delay_us=0, *, spin_us):
+def _helper_on_core(helper_delay_us=0, team_delay_us=0, *, spin_us, part_delay_us=0):
     """A helper on CORE (arguments as use_spare_cpus takes them) for the block's length."""
-    use_spare_cpus([CORE], helper_delay_us, team_delay_us, spin_us)
+    use_spare_cpus([CORE], helper_delay_us, team_delay_us, spin_us, part_delay_us)
     try:
         yield
     finally:
         use_spare_cpus([])
 
 
-def _exactly_the_callers_own(kernel, delays, counter):
+def _exactly_the_callers_own(kernel, delays, counter, part_delay_us=0):
     """Runs `kernel`'s cases with helpers (delays as use_spare_cpus takes them) until
     stats()[counter] moved, at most 20 times, each time checking every result bit for bit
     against the caller's own; how much it moved. (A helper at idle priority may get no time at
@@ -122,7 +122,7 @@ def _exactly_the_callers_own(kernel, delays, counter):
     alone = _run(cases)
     before = stats()
     for _ in range(20):
-        with _helper_on_core(*delays, spin_us=0):
+        with _helper_on_core(*delays, spin_us=0, part_delay_us=part_delay_us):
             shared = _run(cases)
         for got, expect in zip(shared, alone, strict=True):
             assert torch.equal(got, expect)  # the same sums, in the same order, bit for bit
@@ -147,6 +147,17 @@ def test_the_caller_takes_back_the_chunks_of_late_helpers(kernel):
     # caller's threads sleep 0.5 ms before each chunk, so that a helper woken by the job finds
     # a chunk left to claim (a short job's chunks were otherwise often all the caller's)
     assert _exactly_the_callers_own(kernel, (50_000, 500), counter=2) > 0
+
+
+def test_the_caller_takes_back_only_the_parts_a_late_helper_has_not_placed():
+    # A decode GEMM's chunk goes into place in parts: a helper that stalls after the first part
+    # of its chunk (50 ms before each later part) has that part placed when the caller takes the
+    # chunk back, and the caller computes only the rest (the result bit for bit its own). Without
+    # the parts the caller recomputed the whole chunk, and the helper went on computing a chunk
+    # no longer its own while the next job waited for it: ~10 us of each ~120 us decode-step
+    # GEMM of the demo at 32 rows.
+    kept = _exactly_the_callers_own("gemm", (0, 500), counter=5, part_delay_us=50_000)
+    assert kept > 0
 
 
 @pytest.fixture
@@ -176,7 +187,7 @@ def _jobs_found(spin_us):
         with _helper_on_core(spin_us=spin_us), torch.inference_mode():
             for _ in range(200):
                 layer(x)
-        awake, slept = (after - was for after, was in zip(stats()[3:], before[3:], strict=True))
+        awake, slept = (after - was for after, was in zip(stats()[3:5], before[3:5], strict=True))
         if awake + slept >= 20:
             return awake, slept
     pytest.skip(f"core {CORE} was too busy for the helper to join the jobs")
@@ -243,6 +254,22 @@ def test_a_small_gemm_keeps_eight_chunks_however_fast_the_machine(helpers):
     layer, x = cpu_gemm.StreamedLinear(torch.randn(2816, 512)), torch.randn(32, 512)  # 88 blocks
     chunks, _ = _chunks_of_one_call(layer, x, [64.0, 64.0])
     assert chunks >= 8
+
+
+def test_a_decode_gemms_last_pieces_shrink_to_single_blocks(helpers):
+    # 88 blocks at 32 rows, float32 (the model's ~16 us a block, 12 blocks a chunk): 6 chunks
+    # (the last of 4 blocks), then the last 24 blocks in pieces of a quarter of what is left:
+    # 6, 5, 4, 3, 2, 1, 1, 1, 1. Whichever thread takes the last piece, the other waits a
+    # block's time at most (in quarters of a chunk, 8 pieces of 3 blocks: the caller waited
+    # ~14 us of each ~150 us decode GEMM of the demo for the helper's last piece).
+    torch.manual_seed(0)
+    layer, x = cpu_gemm.StreamedLinear(torch.randn(2816, 512)), torch.randn(32, 512)
+    with torch.inference_mode():
+        expect = layer(x)
+    helpers()
+    chunks, got = _chunks_of_one_call(layer, x, [1.0, 1.0])
+    assert chunks == 6 + 9
+    assert torch.equal(got, expect)
 
 
 def test_a_gemm_of_many_rows_is_cut_in_slices_of_rows_with_every_block(helpers):

@@ -1,18 +1,20 @@
 // Helper threads on spare cores (spare_cores.h), and the ops that start them and count their
 // work:
 //
-// use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0, int spin_us=5000)
-//     -> int
+// use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0, int spin_us=5000,
+//                int part_delay_us=0) -> int
 //   One helper thread per core in `cpus` (replacing any started before; [] stops them), each
 //   bound to its core at SCHED_IDLE: it runs only while nothing else wants the core. Returns
 //   how many run. After each job a helper spins up to `spin_us` for the next before it sleeps
 //   (waking a sleeping thread takes longer than the gaps between a step's jobs). The delays
 //   are for tests: helpers (or the caller's threads) sleep that long before each chunk, so that
 //   the caller takes chunks back from late helpers (or helpers get chunks at all on a busy
-//   machine).
+//   machine); helpers sleep `part_delay_us` before each part of a chunk after its first, so
+//   that the caller takes back a chunk with parts in place.
 // spare_cores_stats() -> int[]
 //   Since the process started: chunks done by the caller's threads, by helpers, and taken back
-//   from helpers that were late; jobs helpers found awake, and only after they slept.
+//   from helpers that were late; jobs helpers found awake, and only after they slept; parts of
+//   chunks taken back that their helper had put in place (the caller computed the rest).
 //
 // Registered as torch.ops.serve_app_cpu.* by serve_app/engine/cpu_kernels.py.
 
@@ -72,10 +74,11 @@ int64_t claim(SharedJob& job, int owner) {
 class Pool {
  public:
   int64_t start(const std::vector<int64_t>& cpus, int64_t helper_delay_us, int64_t team_delay_us,
-                int64_t spin_us) {
+                int64_t spin_us, int64_t part_delay_us) {
     stop_all();
     helper_delay_us_ = helper_delay_us;
     team_delay_us_ = team_delay_us;
+    part_delay_us_ = part_delay_us;
     spin_ = std::chrono::microseconds(spin_us);
     for (const int64_t cpu : cpus) {
       threads_.emplace_back([this] { loop(); });
@@ -113,6 +116,7 @@ class Pool {
   std::atomic<int64_t> team_chunks{0}, helper_chunks{0}, taken_chunks{0};
   // jobs a helper found while awake (spinning after the last one), and after it slept
   std::atomic<int64_t> jobs_awake{0}, jobs_woken{0};
+  std::atomic<int64_t> parts_kept{0};  // of chunks taken back: parts their helper had placed
 
  private:
   // the helper on `cpu` at SCHED_IDLE; "" or what went wrong
@@ -185,16 +189,26 @@ class Pool {
     }
   }
 
+  // Each claimed chunk part by part, each part copied into place while the chunk is still the
+  // helper's; a chunk the caller took back is dropped at the end of the part under way.
   void work(SharedJob& job, std::vector<char>& scratch) {
     for (int64_t c; (c = claim(job, kHelper)) >= 0;) {
       sleep_us(helper_delay_us_);
-      job.run_into(c, scratch);
-      int expected = kHelper;
-      if (job.state[c].compare_exchange_strong(expected, kCommitting,
-                                               std::memory_order_acq_rel)) {
-        job.commit(c, scratch);
-        job.state[c].store(kDone, std::memory_order_release);
-        helper_chunks.fetch_add(1, std::memory_order_relaxed);
+      const int64_t parts = job.parts(c);
+      for (int64_t part = 0; part < parts; ++part) {
+        if (part > 0) sleep_us(part_delay_us_);
+        if (job.state[c].load(std::memory_order_relaxed) != kHelper) break;
+        job.run_into(c, part, scratch);
+        int expected = kHelper;
+        if (!job.state[c].compare_exchange_strong(expected, kCommitting,
+                                                  std::memory_order_acq_rel)) {
+          break;  // taken back
+        }
+        job.commit(c, part, scratch);
+        job.placed[c].store(part + 1, std::memory_order_relaxed);  // published by the store:
+        const bool last = part + 1 == parts;
+        job.state[c].store(last ? kDone : kHelper, std::memory_order_release);
+        if (last) helper_chunks.fetch_add(1, std::memory_order_relaxed);
       }
     }
   }
@@ -206,7 +220,7 @@ class Pool {
   bool stopping_ = false;
   std::vector<std::thread> threads_;
   std::atomic<int64_t> count_{0};
-  int64_t helper_delay_us_ = 0, team_delay_us_ = 0;
+  int64_t helper_delay_us_ = 0, team_delay_us_ = 0, part_delay_us_ = 0;
   std::chrono::microseconds spin_{0};
 };
 
@@ -216,19 +230,29 @@ Pool& pool() {
 }
 
 // One of the caller's threads: claim chunks until none is left, then take back every chunk a
-// helper has claimed and not yet started to copy into place.
+// helper has not finished: the parts it has not put in place yet (waiting out a part it is
+// copying).
 void team_work(SharedJob& job, Pool& p) {
   for (int64_t c; (c = claim(job, kTeam)) >= 0;) {
     sleep_us(p.team_delay_us());
-    job.run(c);
+    job.run(c, 0);
     p.team_chunks.fetch_add(1, std::memory_order_relaxed);
   }
   for (int64_t c = 0; c < job.chunks; ++c) {
-    int seen = job.state[c].load(std::memory_order_acquire);
-    while (seen == kFree || seen == kHelper) {
+    for (int seen = job.state[c].load(std::memory_order_acquire);;) {
+      if (seen == kCommitting) {  // a part on its way into place: a copy's time
+        pause();
+        seen = job.state[c].load(std::memory_order_acquire);
+        continue;
+      }
+      if (seen != kFree && seen != kHelper) break;  // the caller's, or done
       if (job.state[c].compare_exchange_weak(seen, kTaken, std::memory_order_acq_rel)) {
-        job.run(c);
+        // the parts before `placed` are in place: the helper's stores to them, and to
+        // `placed`, came before the state this exchange replaced
+        const int64_t placed = seen == kHelper ? job.placed[c].load(std::memory_order_relaxed) : 0;
+        job.run(c, placed);
         p.taken_chunks.fetch_add(1, std::memory_order_relaxed);
+        p.parts_kept.fetch_add(placed, std::memory_order_relaxed);
         break;
       }
     }
@@ -237,8 +261,14 @@ void team_work(SharedJob& job, Pool& p) {
 
 }  // namespace
 
-SharedJob::SharedJob(int64_t chunks) : chunks(chunks), state(new std::atomic<int>[chunks]) {
-  for (int64_t c = 0; c < chunks; ++c) state[c].store(kFree, std::memory_order_relaxed);
+SharedJob::SharedJob(int64_t chunks)
+    : chunks(chunks),
+      state(new std::atomic<int>[chunks]),
+      placed(new std::atomic<int64_t>[chunks]) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    state[c].store(kFree, std::memory_order_relaxed);
+    placed[c].store(0, std::memory_order_relaxed);
+  }
 }
 
 int64_t spare_helpers() { return pool().count(); }
@@ -250,10 +280,7 @@ void run_shared(const std::shared_ptr<SharedJob>& job) {
   at::parallel_for(0, team, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) team_work(*job, p);
   });
-  p.retire(job.get());
-  for (int64_t c = 0; c < job->chunks; ++c) {
-    while (job->state[c].load(std::memory_order_acquire) == kCommitting) pause();
-  }
+  p.retire(job.get());  // (team_work left no chunk being copied)
 }
 
 }  // namespace serve_app_cpu
@@ -261,14 +288,15 @@ void run_shared(const std::shared_ptr<SharedJob>& job) {
 namespace {
 
 int64_t use_spare_cpus(c10::ArrayRef<int64_t> cpus, int64_t helper_delay_us,
-                       int64_t team_delay_us, int64_t spin_us) {
-  return serve_app_cpu::pool().start(cpus.vec(), helper_delay_us, team_delay_us, spin_us);
+                       int64_t team_delay_us, int64_t spin_us, int64_t part_delay_us) {
+  return serve_app_cpu::pool().start(cpus.vec(), helper_delay_us, team_delay_us, spin_us,
+                                     part_delay_us);
 }
 
 std::vector<int64_t> spare_cores_stats() {
   auto& p = serve_app_cpu::pool();
   return {p.team_chunks.load(), p.helper_chunks.load(), p.taken_chunks.load(),
-          p.jobs_awake.load(), p.jobs_woken.load()};
+          p.jobs_awake.load(), p.jobs_woken.load(), p.parts_kept.load()};
 }
 
 }  // namespace
@@ -276,8 +304,8 @@ std::vector<int64_t> spare_cores_stats() {
 // no tensor arguments: one kernel for every dispatch key
 TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
   m.def(
-      "use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0, int spin_us=5000) "
-      "-> int",
+      "use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0, int spin_us=5000, "
+      "int part_delay_us=0) -> int",
       &use_spare_cpus);
   m.def("spare_cores_stats() -> int[]", &spare_cores_stats);
 }

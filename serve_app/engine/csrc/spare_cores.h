@@ -7,9 +7,13 @@
 // buffer of its own and copies it into place only if its chunk is still its own. A helper can
 // be preempted at any moment, for as long as the serving path runs, so the caller never waits
 // for one: once no chunk is left to claim, it takes over every chunk a helper is still
-// computing (the helper's work is then discarded) and waits only for copies already under way.
-// A helper may thus still read a job's inputs after the caller returned: a job keeps what it
-// reads alive (it is held by a shared_ptr) and writes nothing in place after the caller returns.
+// computing and waits only for copies already under way. A chunk may be cut in parts that a
+// helper copies into place one by one: the caller then takes back only the parts not yet in
+// place, and the helper, finding its chunk taken, drops it at the end of the part it is at
+// (instead of computing the rest of a chunk that is no longer its own while the caller's next
+// job waits for it). A helper may thus still read a job's inputs after the caller returned: a
+// job keeps what it reads alive (it is held by a shared_ptr) and writes nothing in place after
+// the caller returns.
 // Between jobs a helper spins for a few milliseconds before it sleeps: a step's jobs follow each
 // other by microseconds, and waking a sleeping thread for each cost the helper the first part of
 // every job (a decode step with the helper on an idle core took ~18 % longer than with two torch
@@ -30,16 +34,23 @@ class SharedJob {
   explicit SharedJob(int64_t chunks);
   virtual ~SharedJob() = default;
 
-  // chunk c, written in place (the caller's threads)
-  virtual void run(int64_t c) = 0;
-  // chunk c into `scratch` (a helper), and later, if the chunk is still the helper's, copied
-  // into place
-  virtual void run_into(int64_t c, std::vector<char>& scratch) = 0;
-  virtual void commit(int64_t c, const std::vector<char>& scratch) = 0;
+  // The parts of chunk c that a helper puts in place one at a time (1: the whole chunk at once)
+  virtual int64_t parts(int64_t c) const {
+    (void)c;
+    return 1;
+  }
+  // chunk c from part `from` on, written in place (the caller's threads; `from` > 0: the parts
+  // before it are in place, a helper's)
+  virtual void run(int64_t c, int64_t from) = 0;
+  // part `part` of chunk c into `scratch` (a helper), and later, if the chunk is still the
+  // helper's, copied into place
+  virtual void run_into(int64_t c, int64_t part, std::vector<char>& scratch) = 0;
+  virtual void commit(int64_t c, int64_t part, const std::vector<char>& scratch) = 0;
 
   const int64_t chunks;
   std::atomic<int64_t> next{0};                  // the next chunk to claim
   std::unique_ptr<std::atomic<int>[]> state;    // per chunk: who has it (spare_cores.cpp)
+  std::unique_ptr<std::atomic<int64_t>[]> placed;  // per chunk: parts a helper put in place
 };
 
 // How many helper threads are running (0: `run_shared` is not worth calling).
@@ -64,14 +75,19 @@ class DenseJob final : public SharedJob {
         compute_(std::move(compute)),
         keep_(std::move(keep)) {}
 
-  void run(int64_t c) override { compute_(bounds_[c], bounds_[c + 1], out_ + bounds_[c] * unit_); }
+  void run(int64_t c, int64_t from) override {  // (one part: from is 0)
+    (void)from;
+    compute_(bounds_[c], bounds_[c + 1], out_ + bounds_[c] * unit_);
+  }
 
-  void run_into(int64_t c, std::vector<char>& scratch) override {
+  void run_into(int64_t c, int64_t part, std::vector<char>& scratch) override {
+    (void)part;
     scratch.resize(bytes(c));
     compute_(bounds_[c], bounds_[c + 1], reinterpret_cast<T*>(scratch.data()));
   }
 
-  void commit(int64_t c, const std::vector<char>& scratch) override {
+  void commit(int64_t c, int64_t part, const std::vector<char>& scratch) override {
+    (void)part;
     std::memcpy(out_ + bounds_[c] * unit_, scratch.data(), bytes(c));
   }
 

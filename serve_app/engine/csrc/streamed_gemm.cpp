@@ -70,6 +70,8 @@ namespace {
 constexpr int64_t kCols = 32;        // weight rows per packed block (cpu_gemm.StreamedLinear)
 constexpr int64_t kMaxRows = 48;     // rows multiplied per pass over the weight
 constexpr int64_t kAheadBlocks = 2;  // blocks asked for ahead of their use
+constexpr int64_t kPartBlocks = 2;   // blocks a helper puts in place at a time, at least,
+constexpr int64_t kMaxParts = 8;     // in at most this many parts of a piece (decode)
 constexpr int64_t kLine = 64;        // bytes per cache line
 #if defined(SERVE_APP_BF16_PAIRS)
 constexpr bool kPairs = true;
@@ -477,9 +479,10 @@ struct Gemm {
 
   // blocks [begin, end) of the rows of slices [s0, s1) (s1 -1: to the last) into `out`: its
   // column 0 is column begin * kCols of the result, its row 0 the result's row `row0`, its
-  // rows ldo apart
+  // rows ldo apart; the weight's blocks are asked for ahead up to `fetch_end` (-1: end)
   void blocks_into(int64_t begin, int64_t end, T* out, int64_t ldo, int64_t s0 = 0,
-                   int64_t s1 = -1, int64_t row0 = 0) const {
+                   int64_t s1 = -1, int64_t row0 = 0, int64_t fetch_end = -1) const {
+    if (fetch_end < 0) fetch_end = end;
     const int64_t block_size = K * kCols;
     const int64_t lines = block_size * static_cast<int64_t>(sizeof(T)) / kLine;
     if (s1 < 0) s1 = static_cast<int64_t>(slices.size());
@@ -492,7 +495,8 @@ struct Gemm {
       for (int64_t b = begin; b < end; ++b) {
         const T* block = wd + b * block_size;
         const int64_t cols = std::min(kCols, n - b * kCols);
-        const bool ask = b + kAheadBlocks < end;  // the blocks past `end` may be another thread's
+        // (the blocks past fetch_end may be another thread's)
+        const bool ask = b + kAheadBlocks < fetch_end;
         const char* ahead = reinterpret_cast<const char*>(block + kAheadBlocks * block_size);
         for (int64_t t = 0; t < kTilesPerBlock; ++t) {
           const int64_t col0 = t * kTileCols;  // the tiles' first column in the block
@@ -583,11 +587,12 @@ std::vector<double> streamed_gemm_speed(c10::ArrayRef<double> set) {
 }
 
 // The GEMM shared with helpers on spare cores (spare_cores.h), in chunks of about the same
-// work: the last two chunks' worth cut in quarters, so that a caller which takes back the chunk
-// of a late helper at the end redoes a quarter of one. A GEMM of one slice of rows (a decode
-// step) is cut in blocks; one of many rows (a prefill) in slices of rows, each with every block
-// (`cut_rows`). It holds the tensors it reads: a helper whose chunk the caller took back may
-// still be multiplying it after the caller returned.
+// work, then smaller pieces for the last two chunks' worth, so that the threads finish together
+// and a caller which takes back the piece of a late helper at the end redoes little. A GEMM of
+// one slice of rows (a decode step) is cut in blocks (`cut`), its pieces put in place by a helper
+// in parts of a few blocks (`parts`); one of many rows (a prefill) in slices of rows, each with
+// every block (`cut_rows`). It holds the tensors it reads: a helper whose chunk the caller took
+// back may still be multiplying it after the caller returned.
 template <typename T>
 struct SharedGemm final : serve_app_cpu::SharedJob {
   // blocks [b0, b1) of the rows of slices [s0, s1)
@@ -604,17 +609,21 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
         out(out),
         keep(std::move(keep)) {}
 
-  // One slice of rows: per_chunk blocks each, then the last two chunks' worth in quarters (of
-  // per_chunk blocks, one block at least)
+  // One slice of rows: per_chunk blocks each, then the last two chunks' worth in pieces of a
+  // quarter of what is left (rounded up), down to single blocks: whichever thread claims the
+  // last piece, the other waits at most a block's time for it. (In quarters of a chunk, the
+  // demo's decode GEMMs at 32 rows ended on pieces of 3 blocks, ~14 us: the caller's thread
+  // waited ~14 us of each ~150 us GEMM for the helper's last piece.)
   static std::vector<Piece> cut(int64_t blocks, int64_t per_chunk) {
     const int64_t head = blocks - std::min(blocks, 2 * per_chunk);
-    const int64_t quarter = std::max<int64_t>(1, per_chunk / 4);
     std::vector<Piece> pieces;
     for (int64_t b = 0; b < head; b += per_chunk) {
       pieces.push_back({b, std::min(b + per_chunk, head), 0, 1});
     }
-    for (int64_t b = head; b < blocks; b += quarter) {
-      pieces.push_back({b, std::min(b + quarter, blocks), 0, 1});
+    for (int64_t b = head; b < blocks;) {
+      const int64_t size = (blocks - b + 3) / 4;
+      pieces.push_back({b, b + size, 0, 1});
+      b += size;
     }
     return pieces;
   }
@@ -647,38 +656,58 @@ struct SharedGemm final : serve_app_cpu::SharedJob {
     return pieces;
   }
 
-  int64_t cols(int64_t c) const {
-    return std::min(gemm.n, pieces[c].b1 * kCols) - pieces[c].b0 * kCols;
-  }
   int64_t first_row(int64_t c) const { return gemm.slices[pieces[c].s0].front().row0; }
   int64_t end_row(int64_t c) const {
     const Group& last = gemm.slices[pieces[c].s1 - 1].back();
     return last.row0 + last.rows;
   }
 
-  void run(int64_t c) override {  // the caller's threads: timed, for blocks_per_chunk
+  // A piece of one slice (a decode step's) goes into place in at most kMaxParts parts of at
+  // least kPartBlocks blocks, so that a helper's piece taken back costs the caller only the
+  // parts not yet in place; a piece of several slices (a prefill's), whole.
+  int64_t part_size(int64_t c) const {
     const Piece& p = pieces[c];
+    if (p.s1 - p.s0 > 1) return p.b1 - p.b0;
+    return std::max(kPartBlocks, (p.b1 - p.b0 + kMaxParts - 1) / kMaxParts);
+  }
+  int64_t parts(int64_t c) const override {
+    const int64_t size = part_size(c);
+    return (pieces[c].b1 - pieces[c].b0 + size - 1) / size;
+  }
+  // part i's blocks [b0, b1)
+  std::pair<int64_t, int64_t> part_blocks(int64_t c, int64_t i) const {
+    const Piece& p = pieces[c];
+    const int64_t size = part_size(c);
+    return {p.b0 + i * size, std::min(p.b1, p.b0 + (i + 1) * size)};
+  }
+  int64_t cols(int64_t b0, int64_t b1) const { return std::min(gemm.n, b1 * kCols) - b0 * kCols; }
+
+  void run(int64_t c, int64_t from) override {  // the caller's threads: timed, for
+    const Piece& p = pieces[c];                   // blocks_per_chunk
+    const int64_t b0 = part_blocks(c, from).first;
     const auto start = std::chrono::steady_clock::now();
-    gemm.blocks_into(p.b0, p.b1, out + p.b0 * kCols, gemm.n, p.s0, p.s1);
+    gemm.blocks_into(b0, p.b1, out + b0 * kCols, gemm.n, p.s0, p.s1);
     const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
     const double rows = static_cast<double>(end_row(c) - first_row(c)) / static_cast<double>(M);
-    note_speed(block_cost(M, gemm.K, sizeof(T)), static_cast<double>(p.b1 - p.b0) * rows,
+    note_speed(block_cost(M, gemm.K, sizeof(T)), static_cast<double>(p.b1 - b0) * rows,
                took.count());
   }
 
-  void run_into(int64_t c, std::vector<char>& scratch) override {
+  void run_into(int64_t c, int64_t part, std::vector<char>& scratch) override {
     const Piece& p = pieces[c];
+    const auto [b0, b1] = part_blocks(c, part);
     const int64_t r0 = first_row(c);
-    scratch.resize(static_cast<size_t>((end_row(c) - r0) * cols(c)) * sizeof(T));
-    gemm.blocks_into(p.b0, p.b1, reinterpret_cast<T*>(scratch.data()), cols(c), p.s0, p.s1, r0);
+    scratch.resize(static_cast<size_t>((end_row(c) - r0) * cols(b0, b1)) * sizeof(T));
+    gemm.blocks_into(b0, b1, reinterpret_cast<T*>(scratch.data()), cols(b0, b1), p.s0, p.s1, r0,
+                     p.b1);
   }
 
-  void commit(int64_t c, const std::vector<char>& scratch) override {
+  void commit(int64_t c, int64_t part, const std::vector<char>& scratch) override {
     const T* from = reinterpret_cast<const T*>(scratch.data());
-    const int64_t width = cols(c), r0 = first_row(c), r1 = end_row(c);
-    const int64_t col0 = pieces[c].b0 * kCols;
+    const auto [b0, b1] = part_blocks(c, part);
+    const int64_t width = cols(b0, b1), r0 = first_row(c), r1 = end_row(c);
     for (int64_t r = r0; r < r1; ++r) {
-      std::memcpy(out + r * gemm.n + col0, from + (r - r0) * width, width * sizeof(T));
+      std::memcpy(out + r * gemm.n + b0 * kCols, from + (r - r0) * width, width * sizeof(T));
     }
   }
 
