@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 
 import pytest
@@ -14,6 +15,15 @@ from serve_app.engine import EngineConfig, SamplingParams
 from serve_app.engine.async_engine import AsyncEngine
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.inputs import EngineRequest
+from serve_app.engine.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    StepMetrics,
+    TokenLogprob,
+    pack_step,
+    unpack_step,
+)
+from serve_app.engine.params import FinishReason
 
 CONFIG = EngineConfig(
     model="demo-tiny", dtype="float32", max_seq_len=256, max_input_token_len=128,
@@ -83,11 +93,15 @@ def test_outputs_cross_without_the_prompt_and_get_it_back(process_engine, monkey
 
     read = engine_process.EngineProcess._recv
     crossed = []  # the prompt ids of each output as it came over the socket
+    flat = []  # those that came as plain tuples (pack_step's streamed outputs)
 
     def recv(self):
         message = read(self)
         if isinstance(message[0], list):
-            crossed.extend(getattr(item, "prompt_token_ids", None) for _, item in message[0])
+            for packed in message[0]:
+                pair = len(packed) == 2
+                crossed.append(getattr(packed[1], "prompt_token_ids", None) if pair else None)
+                flat.append(not pair and all(type(v) in PLAIN for v in packed))
         return message
 
     monkeypatch.setattr(engine_process.EngineProcess, "_recv", recv)
@@ -103,6 +117,44 @@ def test_outputs_cross_without_the_prompt_and_get_it_back(process_engine, monkey
     assert len(outputs) == 12 and all(o.prompt_token_ids == prompt for o in outputs)
     # (the reader was already waiting in the unpatched call for the first step's message)
     assert len(crossed) >= 11 and all(ids is None for ids in crossed)
+    assert flat[:-1] == [True] * (len(flat) - 1) and not flat[-1]  # the final output: whole
+
+
+PLAIN = (str, int, float, list, type(None))  # what pickle writes without calling Python
+
+
+def test_a_steps_streamed_outputs_pack_flat_and_come_back_equal():
+    """pack_step turns a streamed output (one choice, tokens and timing only) into a tuple of
+    plain values; anything else (a final output, logprobs, several choices, a KV payload, an
+    exception) stays as it was; unpack_step gives back equal outputs without the prompt."""
+
+    def output(rid, *choices, **fields):
+        return RequestOutput(rid, [1, 2, 3], list(choices), metrics=StepMetrics(32, 1.5), **fields)
+
+    def streamed(index=0, **fields):
+        tokens = [7]
+        return CompletionOutput(index, tokens, tokens, **fields)
+
+    first = output("a", streamed())
+    first.metrics = StepMetrics(4, 12.0, prefill_time_ms=80.0, num_preemptions=1)
+    items = [
+        ("a", first),
+        ("b", output("b", streamed(cumulative_logprob=-0.5))),
+        ("c", output("c", streamed(finish_reason=FinishReason.LENGTH), finished=True)),
+        ("d", output("d", streamed(logprobs=[TokenLogprob(7, -0.1)]))),
+        ("e", output("e", streamed(0), streamed(1))),
+        ("f", output("f", streamed(), kv_import_ms=2.0)),
+        ("g", output("g", CompletionOutput(0, [5, 7], [7]))),  # all tokens so far
+        ("h", RuntimeError("failed")),
+    ]
+    packed = pack_step(items)
+    assert [len(p) != 2 for p in packed] == [True, True] + [False] * 6
+    assert all(type(v) in PLAIN for p in packed[:2] for v in p)
+    back = unpack_step(pickle.loads(pickle.dumps(packed)))
+    assert [rid for rid, _ in back] == list("abcdefgh")
+    for (_, was), (_, now) in zip(items[:-1], back[:-1], strict=True):
+        assert was.prompt_token_ids is None and now == was  # pack_step dropped the prompt
+    assert back[-1][1] is items[-1][1] or str(back[-1][1]) == "failed"
 
 
 def test_streamed_outputs_carry_only_their_new_tokens(process_engine):
