@@ -31,7 +31,13 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serve_app.messages import TOKEN_FRAME, ReplicaChunk, ReplicaRequest, StreamAddress
+from serve_app.messages import (
+    TOKEN_FRAME,
+    ReplicaChunk,
+    ReplicaRequest,
+    StreamAddress,
+    unpack_chunks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +184,7 @@ class TokenInbox:
                 return
             while True:
                 (size,) = TOKEN_FRAME.unpack(await reader.readexactly(TOKEN_FRAME.size))
-                chunks: list[ReplicaChunk] = pickle.loads(await reader.readexactly(size))
+                chunks = unpack_chunks(pickle.loads(await reader.readexactly(size)))
                 self.num_frames += 1
                 self.num_chunks += len(chunks)
                 for chunk in chunks:

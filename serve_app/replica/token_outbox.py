@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from serve_app.messages import TOKEN_FRAME, ReplicaChunk, StreamAddress
+from serve_app.messages import TOKEN_FRAME, ReplicaChunk, StreamAddress, pack_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Link:
         if not chunks or not self.alive:
             return
         try:
-            data = pickle.dumps(list(chunks.values()), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(pack_chunks(list(chunks.values())), pickle.HIGHEST_PROTOCOL)
             self._writer.write(TOKEN_FRAME.pack(len(data)) + data)
         except Exception:
             logger.exception("token socket: writing to the ingress failed")

@@ -5,6 +5,7 @@ instead of hanging them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pickle
 import signal
@@ -125,8 +126,9 @@ PLAIN = (str, int, float, list, type(None))  # what pickle writes without callin
 
 def test_a_steps_streamed_outputs_pack_flat_and_come_back_equal():
     """pack_step turns a streamed output (one choice, tokens and timing only) into a tuple of
-    plain values; anything else (a final output, logprobs, several choices, a KV payload, an
-    exception) stays as it was; unpack_step gives back equal outputs without the prompt."""
+    plain values; anything more (every other field of an output or its choice set, several
+    choices, all tokens so far, an exception) stays as it was; unpack_step gives back equal
+    outputs without the prompt."""
 
     def output(rid, *choices, **fields):
         return RequestOutput(rid, [1, 2, 3], list(choices), metrics=StepMetrics(32, 1.5), **fields)
@@ -135,26 +137,37 @@ def test_a_steps_streamed_outputs_pack_flat_and_come_back_equal():
         tokens = [7]
         return CompletionOutput(index, tokens, tokens, **fields)
 
+    more = {
+        "finished": True, "step_history": [StepMetrics(32, 1.0)], "kv_payload": b"kv",
+        "generator_state": b"state", "kv_import_ms": 2.0,
+    }  # fmt: skip
+    more_choice = {
+        "logprobs": [TokenLogprob(7, -0.1)], "finish_reason": FinishReason.LENGTH,
+        "stop_reason": "x", "text": "a",
+    }  # fmt: skip
+    # a field added to either class must be packed or named here
+    packed_fields = {"request_id", "prompt_token_ids", "outputs", "metrics"}
+    assert {f.name for f in dataclasses.fields(RequestOutput)} == packed_fields | set(more)
+    packed_choice = {"index", "token_ids", "new_token_ids", "cumulative_logprob"}
+    assert {f.name for f in dataclasses.fields(CompletionOutput)} == packed_choice | set(
+        more_choice
+    )
     first = output("a", streamed())
     first.metrics = StepMetrics(4, 12.0, prefill_time_ms=80.0, num_preemptions=1)
-    items = [
-        ("a", first),
-        ("b", output("b", streamed(cumulative_logprob=-0.5))),
-        ("c", output("c", streamed(finish_reason=FinishReason.LENGTH), finished=True)),
-        ("d", output("d", streamed(logprobs=[TokenLogprob(7, -0.1)]))),
-        ("e", output("e", streamed(0), streamed(1))),
-        ("f", output("f", streamed(), kv_import_ms=2.0)),
-        ("g", output("g", CompletionOutput(0, [5, 7], [7]))),  # all tokens so far
-        ("h", RuntimeError("failed")),
-    ]
+    others = [output("o", streamed(), **{name: value}) for name, value in more.items()]
+    others += [output("o", streamed(**{name: value})) for name, value in more_choice.items()]
+    others += [output("o", streamed(0), streamed(1))]
+    others += [output("o", CompletionOutput(0, [5, 7], [7]))]  # all tokens so far
+    items = [("a", first), ("b", output("b", streamed(cumulative_logprob=-0.5)))]
+    items += [("o", other) for other in others] + [("x", RuntimeError("failed"))]
     packed = pack_step(items)
-    assert [len(p) != 2 for p in packed] == [True, True] + [False] * 6
+    assert [len(p) != 2 for p in packed] == [True, True] + [False] * (len(others) + 1)
     assert all(type(v) in PLAIN for p in packed[:2] for v in p)
     back = unpack_step(pickle.loads(pickle.dumps(packed)))
-    assert [rid for rid, _ in back] == list("abcdefgh")
+    assert [rid for rid, _ in back] == [rid for rid, _ in items]
     for (_, was), (_, now) in zip(items[:-1], back[:-1], strict=True):
         assert was.prompt_token_ids is None and now == was  # pack_step dropped the prompt
-    assert back[-1][1] is items[-1][1] or str(back[-1][1]) == "failed"
+    assert str(back[-1][1]) == "failed"
 
 
 def test_streamed_outputs_carry_only_their_new_tokens(process_engine):

@@ -8,13 +8,24 @@ import asyncio
 import os
 import pickle
 import stat
+from dataclasses import fields, replace
 
 import pytest
 
 from serve_app.engine.params import SamplingParams
 from serve_app.ingress import token_inbox
 from serve_app.ingress.token_inbox import TokenInbox, TokenStreamLost
-from serve_app.messages import TOKEN_FRAME, ChoiceDelta, ReplicaChunk, ReplicaRequest
+from serve_app.messages import (
+    TOKEN_FRAME,
+    ChoiceDelta,
+    ErrorKind,
+    ReplicaChunk,
+    ReplicaRequest,
+    StepInfo,
+    TokenLogprobText,
+    pack_chunks,
+    unpack_chunks,
+)
 from serve_app.replica.token_outbox import TokenOutbox
 
 NODE = "node-a"
@@ -431,3 +442,82 @@ def test_chunks_cross_the_socket_as_their_constructors_arguments():
     for obj in (chunk, delta, logprob, chunk.steps[0]):
         assert obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)[0] is type(obj)
     assert pickle.loads(pickle.dumps([chunk, chunk])) == [chunk, chunk]
+
+
+def streamed(request_id: str, token: int) -> ReplicaChunk:
+    """A chunk as a replica streams one engine step of a request."""
+    delta = ChoiceDelta(0, [token], f"<{token}>", num_output_tokens=token + 1)
+    return ReplicaChunk(
+        request_id, [delta], [StepInfo(32, 10.0, None, 18.0)], False, 5, replica_id="rep"
+    )
+
+
+# what pack_chunks keeps of a chunk and of its one choice
+PACKED = {"request_id", "choices", "steps", "num_prompt_tokens", "replica_id"}
+PACKED_CHOICE = {"index", "token_ids", "text", "num_output_tokens", "cumulative_logprob"}
+
+
+def test_a_streamed_chunk_crosses_as_plain_values_and_anything_more_as_itself():
+    """A streamed chunk (one choice, one step: tokens, text, timing) is packed into a tuple of
+    plain values, which pickle writes without calling back into Python; a chunk with anything
+    more (every other field of a chunk or a choice set, two choices, two steps) stays a chunk;
+    all come back equal."""
+    plain = replace(streamed("a", 1), choices=[replace(streamed("a", 1).choices[0],
+                                                       cumulative_logprob=-0.5)])  # fmt: skip
+    more = {
+        "finished": True, "error": "e", "error_kind": ErrorKind.ENGINE, "stats": {"n": 1},
+        "handoff_ms": 1.5, "kv_bytes": 10, "kv_recomputed": True,
+    }  # fmt: skip
+    more_choice = {
+        "token_texts": ["<1>"], "logprobs": [TokenLogprobText(1, -0.5)], "finish_reason": "stop",
+        "stop_reason": "x",
+    }  # fmt: skip
+    # a field added to either class must be packed or named here
+    assert {f.name for f in fields(ReplicaChunk)} == PACKED | set(more)
+    assert {f.name for f in fields(ChoiceDelta)} == PACKED_CHOICE | set(more_choice)
+    base = streamed("b", 2)
+    others = [replace(base, **{name: value}) for name, value in more.items()]
+    others += [replace(base, choices=[replace(base.choices[0], **{name: value})])
+               for name, value in more_choice.items()]  # fmt: skip
+    others += [replace(base, choices=base.choices * 2), replace(base, steps=base.steps * 2)]
+    chunks = [plain, *others]
+    packed = pack_chunks(chunks)
+    assert type(packed[0]) is tuple and all(
+        type(v) in (str, int, float, list, type(None)) for v in packed[0]
+    )
+    assert all(p is c for p, c in zip(packed[1:], others, strict=True))
+    assert unpack_chunks(pickle.loads(pickle.dumps(packed))) == chunks
+
+
+def test_streamed_chunks_travel_the_socket_packed(monkeypatch):
+    """Through a replica's link, a request's streamed chunks arrive as tuples and its final
+    chunk as itself; the request reads them as they were put."""
+    frames = []
+
+    def unpack(packed):
+        frames.append([type(item) is tuple for item in packed])
+        return unpack_chunks(packed)
+
+    monkeypatch.setattr(token_inbox, "unpack_chunks", unpack)
+    sent = [streamed("r1", 0), streamed("r1", 1), chunk("r1", 2, finished=True)]
+
+    async def run():
+        inbox, outbox = TokenInbox(NODE), TokenOutbox(NODE)
+        response = Response()
+        reader = asyncio.ensure_future(
+            read_all(inbox.stream(req := request("r1"), lambda: response))
+        )
+        while not req.reply_to:
+            await asyncio.sleep(0.01)
+        link = await outbox.link(req.reply_to)
+        for c in sent:
+            link.put(c)
+            await asyncio.sleep(0.01)
+        response.ended.set()
+        got = await reader
+        inbox.close()
+        outbox.close()
+        return got
+
+    assert asyncio.run(run()) == sent
+    assert frames == [[True], [True], [False]]
