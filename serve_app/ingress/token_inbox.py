@@ -31,13 +31,8 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serve_app.messages import (
-    TOKEN_FRAME,
-    ReplicaChunk,
-    ReplicaRequest,
-    StreamAddress,
-    unpack_chunks,
-)
+from serve_app.messages import ReplicaChunk, ReplicaRequest, StreamAddress
+from serve_app.token_frame import TOKEN_FRAME, unpack_chunks
 
 logger = logging.getLogger(__name__)
 

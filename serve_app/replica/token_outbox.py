@@ -20,7 +20,8 @@ import socket
 import time
 from collections.abc import Callable
 
-from serve_app.messages import TOKEN_FRAME, ReplicaChunk, StreamAddress, pack_chunks
+from serve_app.messages import ReplicaChunk, StreamAddress
+from serve_app.token_frame import TOKEN_FRAME, pack_chunks
 
 logger = logging.getLogger(__name__)
 

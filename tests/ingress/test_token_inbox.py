@@ -16,17 +16,15 @@ from serve_app.engine.params import SamplingParams
 from serve_app.ingress import token_inbox
 from serve_app.ingress.token_inbox import TokenInbox, TokenStreamLost
 from serve_app.messages import (
-    TOKEN_FRAME,
     ChoiceDelta,
     ErrorKind,
     ReplicaChunk,
     ReplicaRequest,
     StepInfo,
     TokenLogprobText,
-    pack_chunks,
-    unpack_chunks,
 )
 from serve_app.replica.token_outbox import TokenOutbox
+from serve_app.token_frame import TOKEN_FRAME, pack_chunks, unpack_chunks
 
 NODE = "node-a"
 
