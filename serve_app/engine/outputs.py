@@ -92,7 +92,7 @@ for _cls in (TokenLogprob, CompletionOutput, StepMetrics, RequestOutput):
 # -- a step's outputs between the engine process and its replica -----------------------------
 #
 # Pickling a RequestOutput calls back into Python for each of its three objects (~1.8 us an
-# output); at 32 streams that was ~60 us of every step in the step loop, ~150 us with the caches
+# output); at 32 streams that was ~60 us of every step in the step loop, ~100 us with the caches
 # the step's kernels leave. A streamed output before the last (one choice, no logprobs, nothing
 # but tokens and timing) travels as a plain tuple instead, which pickle writes without calling
 # Python (~0.3 us); anything else as the (request id, item) pair it was.
