@@ -17,14 +17,25 @@ the helpers) and each round runs the same workload in both: every prompt prefill
 then the decode steps (EOS ignored). Per layout it reports the median prefill step, decode step
 and tokens/s over the rounds, the served layout's ratio to the other, and how the shared chunks
 were split (the step loop's, the helpers', and the helpers' that the step loop took back).
+
+With `--engine-process` a third arm runs each round too: the server's own engine process
+(AsyncEngine with engineProcess, the step loop bound to the served layout's cores, its helpers on
+the others, the scheduler's prefill limits as deployments.yaml has them) fed by `--requests`
+closed-loop streams from this process, each sending `--process-requests` requests one after
+the other, as a load generator's streams do over HTTP: prompts arrive staggered and are
+prefilled a few at a time beside the others' decodes, and every step's outputs cross to this
+process. Everything HTTP adds beyond that arm is the serving path's (ingress, model replica,
+Ray, the load generator). Its figure is output tokens per second over the arm's wall time.
 Linux, the engine's CPU kernels and two cores or more.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +58,9 @@ from serve_app.engine.cpus import (  # noqa: E402
 )
 
 LAYOUTS = ("served", "all_cores")
+PROCESS = "engine_process"
+# deployments.yaml's ScheduleConfig: prompt tokens and prompts per step
+SERVED_PREFILL_TOKENS, SERVED_PREFILL_BATCH = 2048, 4
 
 
 class Layouts:
@@ -58,9 +72,12 @@ class Layouts:
         self._use = cpu_kernels.op("use_spare_cpus")
         self._stats = cpu_kernels.op("spare_cores_stats")
 
-    def switch(self, layout: str) -> None:
+    def switch(self, layout: str | None) -> None:
+        """To `layout`; None: none (no helpers, one torch thread), while another engine runs."""
         self._use([])  # no helpers while the process's cores change (they keep to their own)
-        if layout == "served":
+        if layout is None:
+            torch.set_num_threads(1)
+        elif layout == "served":
             bind_process(self.engine)
             torch.set_num_threads(len(self.engine))
             if lend_spare_cores(self.spare) != len(self.spare):
@@ -72,6 +89,56 @@ class Layouts:
     def chunks(self) -> list[int]:
         """Chunks so far: the step loop's, the helpers', taken back from late helpers."""
         return list(self._stats())[:3]
+
+
+class ProcessArm:
+    """The server's engine process on the served layout's cores, fed by closed-loop streams from
+    this process, which keeps to the helpers' cores meanwhile (as the serving path does)."""
+
+    def __init__(self, args):
+        from serve_app.engine.async_engine import AsyncEngine
+        from serve_app.engine.config import EngineConfig
+
+        self.args = args
+        per_seq = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, block_size=args.block_size,
+            num_kv_blocks=2 * args.requests * per_seq,
+            max_prefill_tokens=SERVED_PREFILL_TOKENS, max_prefill_batch_size=SERVED_PREFILL_BATCH,
+            engine_process=True, engine_cpus=args.engine, engine_spare_cpus=args.spare,
+        )  # fmt: skip
+        self.engine = AsyncEngine(config)
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        bind_process(self.args.spare)
+        start = time.perf_counter()
+        done = asyncio.run(self._streams(prompts))
+        wall = time.perf_counter() - start
+        return {"prefill_ms": None, "decode_step_ms": None, "requests": len(prompts),
+                "completed": done, "tokens_per_s": done * self.args.output_len / wall}  # fmt: skip
+
+    async def _streams(self, prompts: list[list[int]]) -> int:
+        """Every prompt, `--requests` at a time, each stream sending its next when its last ended;
+        how many ended with all their tokens."""
+        from serve_app.engine.inputs import EngineRequest
+        from serve_app.engine.params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=self.args.output_len, ignore_eos=True)
+        todo, done = list(enumerate(prompts)), 0
+
+        async def stream() -> None:
+            nonlocal done
+            while todo:
+                i, prompt = todo.pop(0)
+                request = EngineRequest(f"layout-{i}-{time.monotonic_ns()}", prompt, params)
+                outputs = [out async for out in self.engine.generate(request)]
+                done += len(outputs[-1].outputs[0].token_ids) == self.args.output_len
+
+        await asyncio.gather(*(stream() for _ in range(self.args.requests)))
+        return done
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
 def check_cores(engine: tuple[int, ...], spare: tuple[int, ...]) -> None:
@@ -127,18 +194,36 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
     }
     served, other = medians["served"], medians["all_cores"]
     ratios = {key: served[key] / other[key] for key in served if key in other and other[key]}
-    return {"medians": medians, "served_over_all_cores": ratios}
+    summary = {"medians": medians, "served_over_all_cores": ratios}
+    if PROCESS in rounds:  # per round against the offline layout of the same round
+        pairs = zip(rounds[PROCESS], rounds["all_cores"], strict=True)
+        summary["engine_process_over_all_cores"] = statistics.mean(
+            p["tokens_per_s"] / a["tokens_per_s"] for p, a in pairs
+        )
+    return summary
 
 
-def measure(args, llm, layouts: Layouts) -> dict:
-    rounds: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+def measure(args, llm, layouts: Layouts, process: ProcessArm | None = None) -> dict:
+    arms = LAYOUTS + ((PROCESS,) if process else ())
+    rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
     chunks = [0, 0, 0]
     for layout in LAYOUTS:  # warm each layout once (thread pools, the chunk sizes' speeds)
         layouts.switch(layout)
         run_once(llm, seeded_prompts(args.requests, args.prompt_len, args.seed + 1), 4)
+    if process:
+        layouts.switch(None)
+        process.run(seeded_prompts(args.requests, args.prompt_len, args.seed + 2))
     for r in range(args.rounds):
         prompts = seeded_prompts(args.requests, args.prompt_len, args.seed + 100 + r)
-        for layout in LAYOUTS if r % 2 == 0 else reversed(LAYOUTS):
+        for layout in arms if r % 2 == 0 else reversed(arms):
+            if layout == PROCESS:
+                layouts.switch(None)
+                seed = args.seed + 1000 * (r + 1)
+                result = process.run(seeded_prompts(args.requests * args.process_requests,
+                                                    args.prompt_len, seed))  # fmt: skip
+                rounds[layout].append(result)
+                log(f"round {r + 1} {layout}: {result['tokens_per_s']:.1f} tokens/s")
+                continue
             layouts.switch(layout)
             before = layouts.chunks()
             result = run_once(llm, prompts, args.output_len)
@@ -174,6 +259,12 @@ def print_table(result: dict, engine: tuple[int, ...], spare: tuple[int, ...], e
     for layout in LAYOUTS:
         print(_row(labels[layout], m[layout], (".1f", ".2f", ".1f")))
     print(_row("served / all cores", ratio, (".3f", ".3f", ".3f")))
+    if PROCESS in m:
+        label = f"engine process on {format_cpus(engine)}, helpers on {format_cpus(spare)}"
+        print(_row(label, m[PROCESS], (".1f", ".2f", ".1f")))
+        over = {"tokens_per_s": result["engine_process_over_all_cores"]}
+        print(_row("engine process / all cores (mean of the rounds' ratios)", over,
+                   (".3f", ".3f", ".3f")))  # fmt: skip
     split = result["served_chunks_per_round"]
     print(f"served layout's shared chunks per round: step loop {split['step_loop']:.0f}, helpers "
           f"{split['helpers']:.0f}, taken back from helpers {split['taken_back']:.0f}")  # fmt: skip
@@ -194,9 +285,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4, help="runs of each layout, alternating")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-process", action="store_true", help="a third arm: the server's "
+                   "engine process fed by closed-loop streams from this process")  # fmt: skip
+    p.add_argument("--process-requests", type=int, default=3, help="requests each stream of "
+                   "the engine-process arm sends in a round, one after the other")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "layout.json")
     args = p.parse_args(argv)
-    for name in ("requests", "prompt_len", "output_len", "rounds"):
+    for name in ("requests", "prompt_len", "output_len", "rounds", "process_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
@@ -216,14 +311,21 @@ def main(argv: list[str] | None = None) -> int:
     log(f"loading {args.model} ({args.dtype}) ...")
     llm = build_ours(engine_args(args), args.dtype)
     layouts, threads = Layouts(args.engine, args.spare, every), torch.get_num_threads()
+    process = None
     try:
-        result = measure(args, llm, layouts)
+        if args.engine_process:
+            log("starting the engine process ...")
+            process = ProcessArm(args)
+        result = measure(args, llm, layouts, process)
     finally:  # as it was: every core, no helpers, torch's threads
+        if process is not None:
+            process.shutdown()
         layouts.switch("all_cores")
         torch.set_num_threads(threads)
     print_table(result, args.engine, args.spare, every)
     workload = {k: getattr(args, k) for k in ("model", "dtype", "requests", "prompt_len",
-                                                "output_len", "rounds", "seed")}  # fmt: skip
+                                                "output_len", "rounds", "seed", "engine_process",
+                                                "process_requests")}  # fmt: skip
     workload.update(engine_cpus=args.engine_cpus, spare_cpus=args.spare_cpus)
     run.write(args.out, workload=workload, **result)
     return 0

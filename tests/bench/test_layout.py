@@ -71,16 +71,34 @@ def test_the_summary_is_the_median_of_the_rounds_and_the_served_layouts_ratio(lb
     assert summary["medians"]["served"] == run(120, 12.0, 950)
     ratios = summary["served_over_all_cores"]
     assert ratios == pytest.approx({"prefill_ms": 1.2, "decode_step_ms": 1.2, "tokens_per_s": 0.95})
+    assert "engine_process_over_all_cores" not in summary
+
+
+def test_the_engine_process_arm_is_compared_round_by_round(lb):
+    def run(rate, step=10.0):
+        return {"prefill_ms": 100, "decode_step_ms": step, "tokens_per_s": rate}
+
+    process = {"prefill_ms": None, "decode_step_ms": None}
+    rounds = {
+        "served": [run(900), run(1000)],
+        "all_cores": [run(1000), run(1200)],
+        "engine_process": [{**process, "tokens_per_s": 900}, {**process, "tokens_per_s": 1200}],
+    }
+    summary = lb.summarize(rounds)
+    # each round's own ratio (0.9, then 1.0), not the ratio of the medians
+    assert summary["engine_process_over_all_cores"] == pytest.approx(0.95)
+    assert summary["medians"]["engine_process"] == {"tokens_per_s": 1050}
 
 
 @pytest.mark.skipif(
     cpu_kernels.op("use_spare_cpus") is None or len(os.sched_getaffinity(0)) < 2,
     reason="needs the engine's CPU kernels and two cores",
 )
-def test_a_short_run_measures_both_layouts(tmp_path):
+def test_a_short_run_measures_both_layouts_and_the_engine_process(tmp_path):
     out = tmp_path / "layout.json"
     workload = "--model demo-tiny --dtype float32 --requests 4 --prompt-len 16 --output-len 6"
     argv = [*workload.split(), "--block-size", "16", "--rounds", "2", "--out", str(out)]
+    argv += ["--engine-process", "--process-requests", "2"]
     script = str(ROOT / "bench" / "layout.py")
     done = subprocess.run(
         [sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -96,3 +114,9 @@ def test_a_short_run_measures_both_layouts(tmp_path):
     assert set(report["served_over_all_cores"]) == {"prefill_ms", "decode_step_ms", "tokens_per_s"}
     chunks = report["served_chunks_per_round"]
     assert chunks["step_loop"] > 0  # the served layout's GEMMs were shared chunk by chunk
+    # the engine process's arm: every request of every round came back whole
+    process = report["rounds"]["engine_process"]
+    assert len(process) == 2 and all(r["tokens_per_s"] > 0 for r in process)
+    assert all(r["completed"] == r["requests"] == 4 * 2 for r in process)
+    assert report["engine_process_over_all_cores"] > 0
+    assert "engine process / all cores" in done.stdout
