@@ -141,8 +141,14 @@ class TokenTimer(BaseStreamer):
         return gaps(self.times[1:])
 
 
-def build_ours(args, dtype: str) -> LLM:
+def kv_blocks(args) -> int:
+    """KV blocks for `args.requests` sequences of the workload, twice over (room for the
+    warm-up's cached prefixes too)."""
     per_seq = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
+    return 2 * args.requests * per_seq
+
+
+def build_ours(args, dtype: str) -> LLM:
     return LLM(
         model=args.model,
         dtype=dtype,
@@ -153,7 +159,7 @@ def build_ours(args, dtype: str) -> LLM:
         max_seq_len=args.prompt_len + args.output_len,
         max_iter_times=args.output_len,
         block_size=args.block_size,
-        num_kv_blocks=2 * args.requests * per_seq,  # room for the warm-up's cached prefixes too
+        num_kv_blocks=kv_blocks(args),
         enforce_eager=args.enforce_eager,
     )
 

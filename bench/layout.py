@@ -19,8 +19,9 @@ and tokens/s over the rounds, the served layout's ratio to the other, and how th
 were split (the step loop's, the helpers', and the helpers' that the step loop took back).
 
 With `--engine-process` a third arm runs each round too: the server's own engine process
-(AsyncEngine with engineProcess, the step loop bound to the served layout's cores, its helpers on
-the others, the scheduler's prefill limits as deployments.yaml has them) fed by `--requests`
+(AsyncEngine with deployments.yaml's engine settings, but the model, dtype, KV blocks and cores
+of this run: the step loop bound to the served layout's cores, its helpers on the others) fed
+by `--requests`
 closed-loop streams from this process, each sending `--process-requests` requests one after
 the other, as a load generator's streams do over HTTP: prompts arrive staggered and are
 prefilled a few at a time beside the others' decodes, and every step's outputs cross to this
@@ -59,8 +60,6 @@ from serve_app.engine.cpus import (  # noqa: E402
 
 LAYOUTS = ("served", "all_cores")
 PROCESS = "engine_process"
-# deployments.yaml's ScheduleConfig: prompt tokens and prompts per step
-SERVED_PREFILL_TOKENS, SERVED_PREFILL_BATCH = 2048, 4
 
 
 class Layouts:
@@ -96,16 +95,21 @@ class ProcessArm:
     this process, which keeps to the helpers' cores meanwhile (as the serving path does)."""
 
     def __init__(self, args):
+        import dataclasses
+
+        import yaml
+        from engine import kv_blocks  # bench/engine.py's sizing, as the offline arms have it
+
+        from serve_app.config import load_config
         from serve_app.engine.async_engine import AsyncEngine
-        from serve_app.engine.config import EngineConfig
 
         self.args = args
-        per_seq = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
-        config = EngineConfig(
-            model=args.model, dtype=args.dtype, block_size=args.block_size,
-            num_kv_blocks=2 * args.requests * per_seq,
-            max_prefill_tokens=SERVED_PREFILL_TOKENS, max_prefill_batch_size=SERVED_PREFILL_BATCH,
-            engine_process=True, engine_cpus=args.engine, engine_spare_cpus=args.spare,
+        spec = yaml.safe_load((ROOT / "deployments.yaml").read_text(encoding="utf-8"))
+        served = load_config(spec["applications"][0]["args"]).engine_config()
+        config = dataclasses.replace(
+            served, model=args.model, dtype=args.dtype, block_size=args.block_size,
+            num_kv_blocks=kv_blocks(args), engine_process=True, engine_cpus=args.engine,
+            engine_spare_cpus=args.spare,
         )  # fmt: skip
         self.engine = AsyncEngine(config)
 
