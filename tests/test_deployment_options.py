@@ -115,3 +115,39 @@ def test_every_deployment_runs_serves_fast_path_and_user_env_vars_win():
         "RAY_SERVE_USE_GRPC_BY_DEFAULT": "0",
         "MINE": "1",
     }
+
+
+def test_only_the_ingress_writes_an_access_log_line_per_request_by_default():
+    """Ray Serve logs every call in every deployment; the HTTP request's line is the ingress's,
+    the deployments behind it log none unless their logging_config asks (merged key by key)."""
+    from serve_app.replica.options import embedding_replica_options, stop_registry_options
+
+    config = load_config({})
+    assert "logging_config" not in ingress_options(config)
+    for options in (
+        tokenizer_pool_options(config),
+        model_replica_options(config, 0, {"CPU": 2}),
+        model_replica_options(config, 0, {"CPU": 2}, role="decode"),
+        embedding_replica_options(config),
+        stop_registry_options(config),
+    ):
+        assert options["logging_config"] == {"enable_access_log": False}
+    config = load_config(
+        {
+            "Deployments": {
+                "ModelReplica": {"logging_config": {"enable_access_log": True}},
+                "TokenizerPool": {"logging_config": {"log_level": "DEBUG"}},
+                "Ingress": {"logging_config": {"encoding": "JSON"}},
+            }
+        }
+    )
+    assert model_replica_options(config, 0, {"CPU": 2})["logging_config"] == {
+        "enable_access_log": True
+    }
+    assert tokenizer_pool_options(config)["logging_config"] == {
+        "enable_access_log": False,
+        "log_level": "DEBUG",
+    }
+    assert ingress_options(config)["logging_config"] == {"encoding": "JSON"}
+    with pytest.raises(ConfigError, match=r"unknown logging_config key.*access_log"):
+        load_config({"Deployments": {"Ingress": {"logging_config": {"access_log": False}}}})

@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 _ACTOR_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
+# Ray Serve's LoggingConfig fields
+_LOGGING_KEYS = (
+    "encoding", "log_level", "logs_dir", "enable_access_log", "additional_log_standard_attrs",
+)  # fmt: skip
 
 
 class DeploymentOptions(BaseModel):
@@ -55,6 +59,16 @@ class DeploymentOptions(BaseModel):
         ),
     )
 
+    logging_config: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Ray Serve logging_config of the deployment: encoding, log_level, logs_dir, "
+            "enable_access_log, additional_log_standard_attrs. The tokenizer pool, model and "
+            "embedding replicas default to enable_access_log false (the ingress logs each HTTP "
+            "request); keys set here are merged over that."
+        ),
+    )
+
     @field_validator("num_replicas")
     @classmethod
     def _replicas(cls, value):
@@ -70,6 +84,17 @@ class DeploymentOptions(BaseModel):
             raise ValueError(
                 f"unknown ray_actor_options key(s) {', '.join(unknown)}; "
                 f"known: {', '.join(_ACTOR_KEYS)}"
+            )
+        return value
+
+    @field_validator("logging_config")
+    @classmethod
+    def _logging(cls, value):
+        unknown = sorted(set(value or {}) - set(_LOGGING_KEYS))
+        if unknown:
+            raise ValueError(
+                f"unknown logging_config key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(_LOGGING_KEYS)}"
             )
         return value
 

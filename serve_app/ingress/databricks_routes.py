@@ -133,7 +133,7 @@ async def chat(body: DatabricksChatRequest, model: str, p: Pipeline, family: Fam
         req.request_id, created, model, num_prompt, logprobs, body.include_usage, openai_finish
     )
     events = stream.events if names is None else ToolCallStream(stream.events, names).events
-    return sse.sse_response(sse.rendered(chunks, events, family, done=True))
+    return sse.EventStream(chunks, events, family, done=True)
 
 
 async def completions(body: DatabricksCompletionRequest, model: str, p: Pipeline, family: Family):
@@ -155,7 +155,7 @@ async def completions(body: DatabricksCompletionRequest, model: str, p: Pipeline
             return render.timeout_events(prompt)
         return render.events(prompt, chunk)
 
-    return sse.sse_response(sse.rendered(items, events, family, done=True))
+    return sse.EventStream(items, events, family, done=True)
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -36,4 +36,4 @@ async def _infer(body: mindie.InferRequest, p: Pipeline):
         return JSONResponse(mindie.infer_response(await p.collect(model, req), seed, with_details))
     chunks = await sse.peek(p.generate(model, req))
     events = mindie.InferStream(seed, with_details, p.config.ServerConfig.fullTextEnabled)
-    return sse.sse_response(sse.rendered(chunks, events.payloads, "mindie"))
+    return sse.EventStream(chunks, events.payloads, "mindie")

@@ -42,7 +42,7 @@ async def chat_completions(body: ChatCompletionRequest, p: Pipeline = Depends(pi
         return chat_response(req.request_id, created, model, chunk, num_prompt, logprobs)
     chunks = await sse.peek(p.generate(model, req))
     stream = ChatStream(req.request_id, created, model, num_prompt, logprobs, body.include_usage)
-    return sse.sse_response(sse.rendered(chunks, stream.events, "openai", done=True))
+    return sse.EventStream(chunks, stream.events, "openai", done=True)
 
 
 @router.post("/v1/completions")
@@ -60,11 +60,9 @@ async def completions(body: CompletionRequest, p: Pipeline = Depends(pipeline_of
         return whole(await p.collect(model, req))
     chunks = await sse.peek(p.generate(model, req))
     if body.fake_stream:  # the replica sends one final chunk (req.stream is False)
-        return sse.sse_response(
-            sse.rendered(chunks, lambda chunk: [whole(chunk)], "openai", done=True)
-        )
+        return sse.EventStream(chunks, lambda chunk: [whole(chunk)], "openai", done=True)
     stream = CompletionStream(req.request_id, created, model, num_prompt, logprobs)
-    return sse.sse_response(sse.rendered(chunks, stream.events, "openai", done=True))
+    return sse.EventStream(chunks, stream.events, "openai", done=True)
 
 
 @router.post("/v1/embeddings")
@@ -98,7 +96,6 @@ async def responses(body: ResponsesRequest, model: str, p: Pipeline):
         return builder.response(await p.collect(model, req))
     chunks = await sse.peek(p.generate(model, req))
     stream = ResponseStream(builder)
-    events = sse.rendered(
+    return sse.EventStream(
         chunks, stream.events, "openai", frame=sse_event, error_event=stream.error
     )
-    return sse.sse_response(events)

@@ -19,6 +19,7 @@ import contextvars
 import logging
 import re
 import uuid
+from collections.abc import Awaitable
 
 from serve_app.ingress.request_body import ASGIApp, Message, Receive, Scope, Send, error_response
 from serve_app.messages import ErrorKind
@@ -55,14 +56,16 @@ class RequestIds:
         header = (HEADER, request_id.encode())
         started = False
 
-        async def send_with_id(message: Message) -> None:
+        def send_with_id(message: Message) -> Awaitable[None]:
+            # a plain function handing on send's awaitable: no coroutine of its own for each
+            # of a stream's chunks
             nonlocal started
-            if message["type"] == "http.response.start":
+            if not started and message["type"] == "http.response.start":
                 started = True
                 if self.echo:
                     headers = [h for h in message.get("headers", ()) if h[0].lower() != HEADER]
                     message = {**message, "headers": [*headers, header]}
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, send_with_id)

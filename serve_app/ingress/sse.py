@@ -7,10 +7,13 @@ has really started answers 200 (Ray Serve LLM does the same).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from typing import Any
 
-from fastapi.responses import StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from serve_app.ingress.request_ids import internal_error
 from serve_app.messages import ReplicaChunk
@@ -59,34 +62,84 @@ async def _ready(value: ReplicaChunk) -> ReplicaChunk:
     return value
 
 
-def sse_response(events: AsyncIterator[bytes], headers: dict | None = None) -> StreamingResponse:
-    return StreamingResponse(
-        events,
-        media_type=MEDIA_TYPE,
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
-    )
+class EventStream(Response):
+    """The 200 `text/event-stream` response of a started stream: each item of `chunks` rendered
+    into its events (`render`, then `frame` for each payload), sent as one body message. A failure
+    after the 200 can only travel in the stream: it is the last event, in the family's error
+    envelope or as `error_event` makes it; `done` ends the stream with `[DONE]` (sent with the
+    end of the body, one write). `frame`: how a payload is written (the Responses API puts its
+    type on an `event:` line too).
+
+    Starlette's StreamingResponse would do the same through a task group per request (a task for
+    the body, the client's disconnect awaited beside it, a cancel scope) and an async generator of
+    events in between; here the body is sent by the request's own task, and a client that goes
+    away cancels it from a watcher (the stream is then closed, and so the request abandoned in
+    its replica, as before)."""
+
+    media_type = MEDIA_TYPE
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[Any],
+        render: Callable[[Any], list[dict]],
+        family: Family,
+        done: bool = False,
+        frame: Callable[[dict], bytes] = event,
+        error_event: Callable[[APIError], dict] | None = None,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._chunks, self._render, self._family = chunks, render, family
+        self._done, self._frame, self._error_event = done, frame, error_event
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        gone = False
+
+        def disconnected(watcher: asyncio.Future) -> None:
+            nonlocal gone
+            if not watcher.cancelled():  # the client went away (or its receive failed)
+                gone = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        watcher.add_done_callback(disconnected)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self._body(send)
+        except asyncio.CancelledError:
+            if gone and task.uncancel() == 0:
+                return  # nobody left to send to; the stream is closed
+            raise
+        finally:
+            watcher.remove_done_callback(disconnected)
+            watcher.cancel()
+
+    async def _body(self, send: Send) -> None:
+        chunks, render, frame = self._chunks, self._render, self._frame
+        tail = b""
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    payloads = render(chunk)
+                    if not payloads:
+                        continue
+                    body = frame(payloads[0])
+                    if len(payloads) > 1:
+                        body = b"".join([body, *map(frame, payloads[1:])])
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+        except Exception as exc:  # a bug, too, must end the stream in the family's envelope
+            error = exc if isinstance(exc, APIError) else internal_error(exc)
+            if self._error_event is not None:
+                tail = frame(self._error_event(error))
+            else:
+                tail = frame(error.body(self._family, in_stream=True))
+        if self._done:
+            tail += DONE
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-async def rendered(
-    chunks: AsyncIterator[ReplicaChunk],
-    render: Callable[[ReplicaChunk], list[dict]],
-    family: Family,
-    done: bool = False,
-    frame: Callable[[dict], bytes] = event,
-    error_event: Callable[[APIError], dict] | None = None,
-) -> AsyncIterator[bytes]:
-    """SSE bytes of each chunk's rendered payloads. A failure after the 200 can only travel in
-    the stream: it is the last event, in the family's error envelope or as `error_event` makes
-    it (then `[DONE]` if the family ends streams with it). `frame`: how a payload is written
-    (the Responses API puts its type on an `event:` line too)."""
-    try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                for payload in render(chunk):
-                    yield frame(payload)
-    except Exception as exc:  # a bug, too, must end the stream in the family's envelope
-        error = exc if isinstance(exc, APIError) else internal_error(exc)
-        payload = error_event(error) if error_event else error.body(family, in_stream=True)
-        yield frame(payload)
-    if done:
-        yield DONE
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

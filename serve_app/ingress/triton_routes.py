@@ -69,4 +69,4 @@ async def _generate(
         return JSONResponse(triton.generate_response(head, chunk, with_details))
     chunks = await sse.peek(p.generate(model, req, stop_key=body.id))
     events = triton.GenerateStream(head, with_details)
-    return sse.sse_response(sse.rendered(chunks, events.payloads, "triton"))
+    return sse.EventStream(chunks, events.payloads, "triton")

@@ -1,5 +1,6 @@
 """sse.peek: the first chunk awaited before the response starts, then replayed with the rest;
-closing what it returns closes the stream (the replica then aborts the request)."""
+closing what it returns closes the stream (the replica then aborts the request). sse.EventStream:
+the response that sends a started stream's events, driven here as an ASGI server would."""
 
 from __future__ import annotations
 
@@ -68,3 +69,113 @@ def test_closing_the_replay_closes_the_stream():
         return stream
 
     assert asyncio.run(run()).closed
+
+
+class Client:
+    """An ASGI server's side of one request: what was sent, and a disconnect on demand."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent[1:])
+
+
+def _events(item) -> list[dict]:
+    return [{"n": n} for n in range(item)]  # item n: n events
+
+
+def test_each_chunk_is_one_body_message_and_done_ends_the_last():
+    async def run():
+        client, stream = Client(), Stream([1, 0, 2])
+        await sse.EventStream(stream, _events, "openai", done=True)(
+            {"type": "http"}, client.receive, client.send
+        )
+        return client, stream
+
+    client, stream = asyncio.run(run())
+    start, *bodies = client.sent
+    assert start["status"] == 200
+    assert dict(start["headers"])[b"content-type"].startswith(b"text/event-stream")
+    assert [m["body"] for m in bodies] == [
+        b'data: {"n":0}\n\n',  # the chunk without events sent nothing
+        b'data: {"n":0}\n\ndata: {"n":1}\n\n',
+        sse.DONE,
+    ]
+    assert [m["more_body"] for m in bodies] == [True, True, False]
+    assert stream.closed
+
+
+def test_a_failure_mid_stream_is_the_last_event_in_the_familys_envelope():
+    async def run(family, done):
+        client = Client()
+        stream = Stream([1], fail=RuntimeError("boom"))
+        await sse.EventStream(stream, _events, family, done=done)(
+            {"type": "http"}, client.receive, client.send
+        )
+        return client.body()
+
+    body = asyncio.run(run("openai", True))
+    assert body.startswith(b'data: {"n":0}\n\ndata: {"error":') and body.endswith(sse.DONE)
+    assert b"boom" not in body  # internals stay in the server's log
+    assert not asyncio.run(run("mindie", False)).endswith(sse.DONE)
+
+
+def test_a_client_that_goes_away_closes_the_stream_and_the_response_ends_quietly():
+    async def run():
+        client = Client()
+        closed = asyncio.Event()
+
+        async def endless():
+            try:
+                while True:
+                    yield 1
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.set()
+
+        response = asyncio.ensure_future(
+            sse.EventStream(endless(), _events, "openai", done=True)(
+                {"type": "http"}, client.receive, client.send
+            )
+        )
+        await asyncio.sleep(0.05)
+        client.gone.set()
+        await asyncio.wait_for(response, 1)  # returns, no CancelledError
+        assert closed.is_set()
+        sent = len(client.sent)
+        await asyncio.sleep(0.05)
+        return sent, client, response
+
+    sent, client, response = asyncio.run(run())
+    assert len(client.sent) == sent and not response.cancelled()
+    assert client.sent[-1]["more_body"] is True  # nothing after the client left
+
+
+def test_a_cancellation_from_elsewhere_still_cancels():
+    async def run():
+        client = Client()
+
+        async def slow():
+            await asyncio.sleep(10)
+            yield 1
+
+        response = asyncio.ensure_future(
+            sse.EventStream(slow(), _events, "openai")(
+                {"type": "http"}, client.receive, client.send
+            )
+        )
+        await asyncio.sleep(0.02)
+        response.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await response
+
+    asyncio.run(run())
