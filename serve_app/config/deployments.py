@@ -16,6 +16,7 @@ _ACTOR_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type"
 _LOGGING_KEYS = (
     "encoding", "log_level", "logs_dir", "enable_access_log", "additional_log_standard_attrs",
 )  # fmt: skip
+_KNOWN_KEYS = {"ray_actor_options": _ACTOR_KEYS, "logging_config": _LOGGING_KEYS}
 
 
 class DeploymentOptions(BaseModel):
@@ -76,25 +77,14 @@ class DeploymentOptions(BaseModel):
             raise ValueError(f"must be >= 0 or 'auto', got {value}")
         return value
 
-    @field_validator("ray_actor_options")
+    @field_validator("ray_actor_options", "logging_config")
     @classmethod
-    def _actor(cls, value):
-        unknown = sorted(set(value or {}) - set(_ACTOR_KEYS))
+    def _known_keys(cls, value, info):
+        known = _KNOWN_KEYS[info.field_name]
+        unknown = sorted(set(value or {}) - set(known))
         if unknown:
             raise ValueError(
-                f"unknown ray_actor_options key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(_ACTOR_KEYS)}"
-            )
-        return value
-
-    @field_validator("logging_config")
-    @classmethod
-    def _logging(cls, value):
-        unknown = sorted(set(value or {}) - set(_LOGGING_KEYS))
-        if unknown:
-            raise ValueError(
-                f"unknown logging_config key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(_LOGGING_KEYS)}"
+                f"unknown {info.field_name} key(s) {', '.join(unknown)}; known: {', '.join(known)}"
             )
         return value
 

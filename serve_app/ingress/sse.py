@@ -100,6 +100,7 @@ class EventStream(Response):
         def disconnected(watcher: asyncio.Future) -> None:
             nonlocal gone
             if not watcher.cancelled():  # the client went away (or its receive failed)
+                watcher.exception()  # retrieved: a failed receive ends the stream like a disconnect
                 gone = True
                 task.cancel()
 

@@ -28,6 +28,7 @@ import pickle
 import secrets
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -58,7 +59,7 @@ class TokenInbox:
         tcp_host: also listen on this address for replicas on other nodes (tokenStream tcp)."""
         self.node_id = node_id
         self.tcp_host = tcp_host
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Mailbox] = {}
         self._secret = secrets.token_bytes(SECRET_BYTES)
         self._starting: asyncio.Future | None = None
         self._servers: list[asyncio.base_events.Server] = []
@@ -106,7 +107,7 @@ class TokenInbox:
         """The chunks of `target`, sent with `send()` (a Serve streaming response) after its
         `reply_to` is set. Leaving early cancels the request in the replica."""
         target.reply_to = await self.address()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Mailbox()
         self._queues[target.request_id] = queue
         response, watcher, done, ended = None, None, False, False
         held = None  # what came after chunks folded into one, for the next turn
@@ -210,7 +211,40 @@ class TokenInbox:
             self._dir = None
 
 
-async def _watch(response: Any, queue: asyncio.Queue) -> None:
+class Mailbox:
+    """A request's chunks on their way from the socket (or its Ray stream) to its reader: what
+    an asyncio.Queue does for one reader and no size limit, without its bookkeeping for each
+    chunk (getters and putters lists, unfinished-task counts)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> Any:
+        return self._items.popleft()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+async def _watch(response: Any, queue: Mailbox) -> None:
     """Puts what the request's Ray stream yields (chunks from a replica that does not write to
     the socket), then _END, or the exception that ended it (a replica that died), into queue."""
     try:

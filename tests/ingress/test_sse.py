@@ -179,3 +179,23 @@ def test_a_cancellation_from_elsewhere_still_cancels():
             await response
 
     asyncio.run(run())
+
+
+def test_a_receive_that_fails_ends_the_stream_like_a_disconnect():
+    async def run():
+        client = Client()
+
+        async def broken() -> dict:
+            raise RuntimeError("the server's receive failed")
+
+        async def endless():
+            while True:
+                yield 1
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(
+            sse.EventStream(endless(), _events, "openai")({"type": "http"}, broken, client.send), 1
+        )
+        return client
+
+    assert asyncio.run(run()).sent[0]["type"] == "http.response.start"

@@ -519,3 +519,25 @@ def test_streamed_chunks_travel_the_socket_packed(monkeypatch):
 
     assert asyncio.run(run()) == sent
     assert frames == [[True], [True], [False]]
+
+
+def test_a_mailbox_hands_its_reader_items_in_order_and_survives_a_cancelled_wait():
+    async def run():
+        box = token_inbox.Mailbox()
+        box.put_nowait(1)
+        box.put_nowait(2)
+        got = [await box.get(), box.get_nowait()]
+        assert box.empty()
+        waiting = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        box.put_nowait(3)  # wakes the waiting reader
+        got.append(await asyncio.wait_for(waiting, 1))
+        cancelled = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)
+        cancelled.cancel()  # a request whose reader left: nothing is lost for a later one
+        await asyncio.gather(cancelled, return_exceptions=True)
+        box.put_nowait(4)
+        got.append(await asyncio.wait_for(box.get(), 1))
+        return got
+
+    assert asyncio.run(run()) == [1, 2, 3, 4]
