@@ -1,4 +1,5 @@
-"""Server-sent events framing, and the "peek the first chunk" start of every stream.
+"""Server-sent events: framing, the "peek the first chunk" start of every stream, and the
+response that sends a started stream (`EventStream`).
 
 Peeking means an error that happens before any token exists (a rejected request, an engine that
 cannot take it) is still an HTTP error with the family's status and body, and only a stream that
@@ -126,16 +127,12 @@ class EventStream(Response):
                     payloads = render(chunk)
                     if not payloads:
                         continue
-                    body = frame(payloads[0])
-                    if len(payloads) > 1:
-                        body = b"".join([body, *map(frame, payloads[1:])])
+                    body = b"".join(map(frame, payloads))
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         except Exception as exc:  # a bug, too, must end the stream in the family's envelope
             error = exc if isinstance(exc, APIError) else internal_error(exc)
-            if self._error_event is not None:
-                tail = frame(self._error_event(error))
-            else:
-                tail = frame(error.body(self._family, in_stream=True))
+            on_error = self._error_event
+            tail = frame(on_error(error) if on_error else error.body(self._family, in_stream=True))
         if self._done:
             tail += DONE
         await send({"type": "http.response.body", "body": tail, "more_body": False})
