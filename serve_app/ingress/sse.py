@@ -71,11 +71,10 @@ class EventStream(Response):
     end of the body, one write). `frame`: how a payload is written (the Responses API puts its
     type on an `event:` line too).
 
-    Starlette's StreamingResponse would do the same through a task group per request (a task for
-    the body, the client's disconnect awaited beside it, a cancel scope) and an async generator of
-    events in between; here the body is sent by the request's own task, and a client that goes
-    away cancels it from a watcher (the stream is then closed, and so the request abandoned in
-    its replica, as before)."""
+    Starlette's StreamingResponse would do the same through a task group per request (a cancel
+    scope, the client's disconnect awaited beside the body) and an async generator of events in
+    between; here the body is a plain task, and a client that goes away cancels it from a watcher
+    (the stream is then closed, and so the request abandoned in its replica)."""
 
     media_type = MEDIA_TYPE
 
@@ -95,7 +94,11 @@ class EventStream(Response):
         self._done, self._frame, self._error_event = done, frame, error_event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        # The body goes out from a task of its own: every chunk resumes the task that waits for
+        # it, and this call's task is resumed through each frame of the ASGI stack above it (Ray
+        # Serve's wrappers, the middleware, the router: ~25), the body's through its own few.
+        body = asyncio.ensure_future(self._body(send))
         gone = False
 
         def disconnected(watcher: asyncio.Future) -> None:
@@ -103,20 +106,20 @@ class EventStream(Response):
             if not watcher.cancelled():  # the client went away (or its receive failed)
                 watcher.exception()  # retrieved: a failed receive ends the stream like a disconnect
                 gone = True
-                task.cancel()
+                body.cancel()
 
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         watcher.add_done_callback(disconnected)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await self._body(send)
+            await body  # cancelling this task cancels the body too
         except asyncio.CancelledError:
-            if gone and task.uncancel() == 0:
+            if gone and not asyncio.current_task().cancelling():
                 return  # nobody left to send to; the stream is closed
             raise
         finally:
             watcher.remove_done_callback(disconnected)
             watcher.cancel()
+            body.cancel()  # when this task's await did not (an error above it): nothing if done
 
     async def _body(self, send: Send) -> None:
         chunks, render, frame = self._chunks, self._render, self._frame

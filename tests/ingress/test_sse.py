@@ -199,3 +199,38 @@ def test_a_receive_that_fails_ends_the_stream_like_a_disconnect():
         return client
 
     assert asyncio.run(run()).sent[0]["type"] == "http.response.start"
+
+
+def test_the_body_goes_out_from_a_task_of_its_own_that_an_outside_cancel_ends_too():
+    """Chunks resume a shallow task, not the request's (under every ASGI layer); cancelling the
+    request still closes the stream, so the replica aborts it."""
+
+    async def run():
+        client, closed, senders = Client(), asyncio.Event(), set()
+
+        async def send(message: dict) -> None:
+            senders.add((message["type"], asyncio.current_task()))
+            await client.send(message)
+
+        async def endless():
+            try:
+                while True:
+                    yield 1
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.set()
+
+        response = asyncio.ensure_future(
+            sse.EventStream(endless(), _events, "openai")({"type": "http"}, client.receive, send)
+        )
+        await asyncio.sleep(0.05)
+        response.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await response
+        return response, senders, closed.is_set()
+
+    response, senders, closed = asyncio.run(run())
+    assert ("http.response.start", response) in senders
+    body_tasks = {task for kind, task in senders if kind == "http.response.body"}
+    assert len(body_tasks) == 1 and response not in body_tasks
+    assert closed
