@@ -124,9 +124,9 @@ def test_window_stays_small(tok):
 def test_a_fast_tokenizer_decodes_through_its_rust_tokenizer(tok):
     """The hot path skips transformers' decode wrapper where it returns the same text, and
     keeps it where it would not (a tokenizer that cleans up spaces, or its own decode)."""
-    from serve_app.tokenizer.detokenizer import _fast_decode
+    from serve_app.tokenizer.detokenizer import _rust_backend
 
-    assert _fast_decode(tok) == tok._tokenizer.decode
+    assert _rust_backend(tok) is tok._tokenizer
     rng = random.Random(1)
     for _ in range(300):
         ids = [rng.randrange(tok.vocab_size + 30) for _ in range(rng.randint(1, 8))]
@@ -136,7 +136,8 @@ def test_a_fast_tokenizer_decodes_through_its_rust_tokenizer(tok):
             )
     tok.clean_up_tokenization_spaces = True
     try:
-        assert _fast_decode(tok) == tok.decode
+        assert _rust_backend(tok) is None
+        assert IncrementalDetokenizer(tok)._stream is None  # no Rust stream either
     finally:
         tok.clean_up_tokenization_spaces = False
 
@@ -146,4 +147,49 @@ def test_a_fast_tokenizer_decodes_through_its_rust_tokenizer(tok):
 
     wrapped = object.__new__(OwnDecode)
     wrapped.__dict__.update(tok.__dict__)
-    assert _fast_decode(wrapped) == wrapped.decode
+    assert _rust_backend(wrapped) is None
+
+
+def python_path(tok, prompt, skip: bool) -> IncrementalDetokenizer:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    detok._stream = None
+    return detok
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_stream_gives_the_python_paths_deltas_token_by_token(tok, skip):
+    """tokenizers' DecodeStream holds back and releases exactly where the two decodes of the
+    Python path do: random ids (invalid UTF-8 included), special tokens, prompt context."""
+    rng = random.Random(7)
+    specials = [IM_START, IM_END, EOT]
+    for _ in range(150):
+        pick = lambda: rng.choice(specials) if rng.random() < 0.05 else rng.randrange(151643)  # noqa: E731
+        prompt = [pick() for _ in range(rng.randrange(0, 10))]
+        rust = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        assert rust._stream is not None
+        slow = python_path(tok, prompt, skip)
+        for token_id in [pick() for _ in range(60)]:
+            assert rust.push_one(token_id) == slow.push_one(token_id)
+        assert rust.flush() == slow.flush()
+        assert rust.text == slow.text
+
+
+def test_a_refused_window_goes_on_through_the_python_path_from_the_same_place(tok):
+    ids = tok.encode(TEXTS[1] + TEXTS[0], add_special_tokens=False)
+    expected = tok.decode(ids)
+
+    class Refusing:
+        def __init__(self, inner, after: int) -> None:
+            self.inner, self.after = inner, after
+
+        def step(self, backend, token_id):
+            self.after -= 1
+            if self.after < 0:
+                raise Exception("InvalidPrefix")  # what the Rust side raises
+            return self.inner.step(backend, token_id)
+
+    for after in (0, 1, 5, len(ids) // 2):
+        detok = IncrementalDetokenizer(tok)
+        detok._stream = Refusing(detok._stream, after)
+        deltas = [detok.push_one(t) for t in ids] + [detok.flush()]
+        assert "".join(deltas) == expected and detok._stream is None
