@@ -89,6 +89,17 @@ class Client:
         return b"".join(m.get("body", b"") for m in self.sent[1:])
 
 
+async def endless(closed: asyncio.Event | None = None):
+    """A chunk every 10 ms until the stream is closed (which sets `closed`)."""
+    try:
+        while True:
+            yield 1
+            await asyncio.sleep(0.01)
+    finally:
+        if closed is not None:
+            closed.set()
+
+
 def _events(item) -> list[dict]:
     return [{"n": n} for n in range(item)]  # item n: n events
 
@@ -134,16 +145,8 @@ def test_a_client_that_goes_away_closes_the_stream_and_the_response_ends_quietly
         client = Client()
         closed = asyncio.Event()
 
-        async def endless():
-            try:
-                while True:
-                    yield 1
-                    await asyncio.sleep(0.01)
-            finally:
-                closed.set()
-
         response = asyncio.ensure_future(
-            sse.EventStream(endless(), _events, "openai", done=True)(
+            sse.EventStream(endless(closed), _events, "openai", done=True)(
                 {"type": "http"}, client.receive, client.send
             )
         )
@@ -188,11 +191,6 @@ def test_a_receive_that_fails_ends_the_stream_like_a_disconnect():
         async def broken() -> dict:
             raise RuntimeError("the server's receive failed")
 
-        async def endless():
-            while True:
-                yield 1
-                await asyncio.sleep(0.01)
-
         await asyncio.wait_for(
             sse.EventStream(endless(), _events, "openai")({"type": "http"}, broken, client.send), 1
         )
@@ -212,16 +210,10 @@ def test_the_body_goes_out_from_a_task_of_its_own_that_an_outside_cancel_ends_to
             senders.add((message["type"], asyncio.current_task()))
             await client.send(message)
 
-        async def endless():
-            try:
-                while True:
-                    yield 1
-                    await asyncio.sleep(0.01)
-            finally:
-                closed.set()
-
         response = asyncio.ensure_future(
-            sse.EventStream(endless(), _events, "openai")({"type": "http"}, client.receive, send)
+            sse.EventStream(endless(closed), _events, "openai")(
+                {"type": "http"}, client.receive, send
+            )
         )
         await asyncio.sleep(0.05)
         response.cancel()
