@@ -119,7 +119,6 @@ class EventStream(Response):
         finally:
             watcher.remove_done_callback(disconnected)
             watcher.cancel()
-            body.cancel()  # when this task's await did not (an error above it): nothing if done
 
     async def _body(self, send: Send) -> None:
         chunks, render, frame = self._chunks, self._render, self._frame

@@ -73,11 +73,7 @@ class IncrementalDetokenizer:
         except Exception:  # a window whose text does not extend the emitted text's
             self._stream = None
             return self._advance(final=False)
-        if delta is None:  # held back, as _advance would
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        self._text += delta
-        return delta
+        return "" if delta is None else self._emitted(delta)  # None: held back, as _advance would
 
     def push(self, new_token_ids: list[int]) -> str:
         """Adds several tokens (one engine step) and returns their combined text delta."""
@@ -102,8 +98,11 @@ class IncrementalDetokenizer:
         # tail may be the first bytes of a multi-byte character.
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT)):
             return ""
-        delta = new_text[len(prefix_text) :]
-        # The emitted tokens become the next window's context; older ones are never decoded again.
+        return self._emitted(new_text[len(prefix_text) :])
+
+    def _emitted(self, delta: str) -> str:
+        """`delta` is out: the emitted tokens become the next window's context (older ones are
+        never decoded again), on either path, so that the Python path can take over anywhere."""
         self._prefix, self._read = self._read, len(self._ids)
         self._text += delta
         return delta
