@@ -141,7 +141,7 @@ class ChoiceDelta:
     token_texts: list[str] | None = None  # per new token: its text delta ("" while incomplete)
     logprobs: list[TokenLogprobText] | None = None  # per new token, when asked for
     finish_reason: str | None = None  # an engine FinishReason value: eos, stop_token, ...
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: str | None = None  # the stop string, or the stop token's text, that ended it
     num_output_tokens: int = 0  # output tokens of this choice so far (usage counts these)
     cumulative_logprob: float | None = None
 

@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 
 from fastapi import APIRouter, Depends, Response
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from serve_app.ingress.metrics import CONTENT_TYPE
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError
-from serve_app.protocol.fields import REQUEST_ID_PATTERN, STRICT
+from serve_app.protocol.fields import RequestModel
 
 router = APIRouter()
 _STATS_TIMEOUT_S = 2.0
@@ -86,13 +86,8 @@ async def metrics(p: Pipeline = Depends(pipeline_of)) -> Response:
     return Response(p.metrics.render(), media_type=CONTENT_TYPE)
 
 
-class StopInferRequest(BaseModel):
-    model_config = STRICT
-
-    id: str = Field(
-        pattern=REQUEST_ID_PATTERN,
-        description="The `id` of a running generate request: letters, digits, '_', '-'; <= 256.",
-    )
+class StopInferRequest(RequestModel):
+    id: str = Field(description="The `id` a running generate request was sent with (any string).")
 
 
 @router.post("/v2/models/{model}/stopInfer", tags=["mindie"])

@@ -14,13 +14,13 @@ import json
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field
 
 from serve_app.messages import ReplicaRequest, TokenizedPrompt, TokenizeRequest, text_of
 from serve_app.protocol.databricks_common import DatabricksSampling, TopLogprobs
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import STRICT, Stop
+from serve_app.protocol.fields import RequestModel, Stop
 from serve_app.protocol.openai_chat import MAX_MESSAGE_CHARS, Content, non_empty_messages
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import sampled_request
@@ -36,16 +36,12 @@ from serve_app.protocol.tool_calls import (
 from serve_app.structured import JsonConstraint
 
 
-class FunctionCall(BaseModel):
-    model_config = STRICT
-
+class FunctionCall(RequestModel):
     name: str = Field(min_length=1, description="The function the model called.")
     arguments: str | dict = Field(description="Its arguments: a JSON object or its text.")
 
 
-class ToolCall(BaseModel):
-    model_config = STRICT
-
+class ToolCall(RequestModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -62,23 +58,19 @@ class ToolCall(BaseModel):
                 "function": {"name": self.function.name, "arguments": arguments}}  # fmt: skip
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = STRICT
-
+class JsonSchemaFormat(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool"]

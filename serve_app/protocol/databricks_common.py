@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import INT32_MAX, STRICT, Range
+from serve_app.protocol.fields import INT32_MAX, Range, RequestModel
 from serve_app.protocol.openai_common import StreamOptions, StreamUsage
 
 Temperature = Annotated[float | None, Range(0.0, 2.0)]
@@ -32,11 +32,9 @@ COMPLETIONS_TASK = "llm/v1/completions"
 EMBEDDINGS_TASK = "llm/v1/embeddings"
 
 
-class DatabricksSampling(StreamUsage, BaseModel):
+class DatabricksSampling(StreamUsage, RequestModel):
     """The sampling fields chat and completions share, with Databricks' documented ranges and
     defaults."""
-
-    model_config = STRICT
 
     model: str | None = Field(
         None, description="The endpoint name on the OpenAI-compatible paths; ignored on "

@@ -12,11 +12,11 @@ import base64
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from serve_app.messages import EmbedRequest, EmbedResult
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import INT32_MAX, STRICT, Range, StringOrStrings
+from serve_app.protocol.fields import INT32_MAX, Range, RequestModel, StringOrStrings
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 _INPUT_RULE = f"must be a non-empty string or a list of 1 to {MAX_INPUTS} non-empty strings"
@@ -25,9 +25,7 @@ _INPUT_RULE = f"must be a non-empty string or a list of 1 to {MAX_INPUTS} non-em
 Inputs = StringOrStrings(MAX_INPUTS, _INPUT_RULE)
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = STRICT
-
+class EmbeddingRequest(RequestModel):
     model: str | None = Field(
         None, description="The embedding endpoint; required except on .../{name}/invocations."
     )

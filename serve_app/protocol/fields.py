@@ -11,14 +11,41 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, ConfigDict, PlainValidator, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    PlainValidator,
+    WithJsonSchema,
+    model_validator,
+)
 
 # Unknown fields are ignored (as vLLM and MindIE do); types are strict: "0.5" is not a float,
 # "true" is not a bool, 1.5 and true are not ints. Ints are accepted for floats.
 STRICT = ConfigDict(extra="ignore", strict=True)
 
-# A client-chosen request id (Triton `id`, stopInfer's `id`): MindIE's rule.
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
+
+class RequestModel(BaseModel):
+    """The base of every request body and of every object inside one: `STRICT`, and an explicit
+    null for an optional field reads as the field not given (its default), in every API family.
+    Clients built from typed models (the openai and databricks SDKs, generated clients) send
+    null for every field they leave unset; a required field stays required."""
+
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
+
+
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
 # stop: a string of 1..32768 characters, or a list of non-empty strings of at most 32768 in all
@@ -90,6 +117,27 @@ def stop_strings(value: Any) -> list[str] | None:
     if sum(len(s) for s in value) > MAX_STOP_CHARS:
         raise ValueError(f"must have at most {MAX_STOP_CHARS} characters in all its strings")
     return value or None
+
+
+def word_list(value: Any) -> list[str] | None:
+    """TensorRT-LLM's `stop_words` / `bad_words`: a string or a list of strings, the empty
+    string (what its clients send for "none") dropped, None when none is left; at most 32768
+    characters in all."""
+    if value is None:
+        return None
+    words = [value] if isinstance(value, str) else value
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise ValueError("must be a string or a list of strings")
+    if sum(len(w) for w in words) > MAX_STOP_CHARS:
+        raise ValueError(f"must have at most {MAX_STOP_CHARS} characters in all its strings")
+    return [w for w in words if w] or None
+
+
+Words = Annotated[
+    list[str] | None,
+    PlainValidator(word_list),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
+]
 
 
 STOP_SCHEMA = WithJsonSchema(

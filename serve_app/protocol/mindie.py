@@ -22,7 +22,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from serve_app.messages import (
     ChoiceDelta,
@@ -35,7 +35,7 @@ from serve_app.messages import (
 )
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError
-from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
+from serve_app.protocol.fields import INT32_MAX, UINT64_MAX, Range, RequestModel
 from serve_app.protocol.sampling import mindie_finish, parameters_request
 from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 
@@ -43,10 +43,8 @@ from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 _SERVER_SEED_HIGH = 2**31 - 1
 
 
-class InferParameters(BaseModel):
+class InferParameters(RequestModel):
     """`parameters` of /infer and /infer_token; null means "not given"."""
-
-    model_config = STRICT
 
     temperature: Annotated[float | None, Range(0.0, low_open=True)] = Field(
         None, description="> 0.0, default 1.0. Higher is more random."
@@ -80,11 +78,10 @@ class InferParameters(BaseModel):
     )
 
 
-class InferRequest(BaseModel):
+class InferRequest(RequestModel):
     """Body of /infer (`inputs`) and /infer_token (`input_id`); each route takes either, and
     names its own field (`primary`) when neither is given."""
 
-    model_config = STRICT
     primary: ClassVar[str] = "inputs"
 
     inputs: str | None = Field(None, description="The prompt text (/infer).")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import AfterValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
 
 from serve_app.messages import (
     ChoiceDelta,
@@ -25,7 +25,7 @@ from serve_app.messages import (
 )
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import STRICT, Range, Stop, describe_range
+from serve_app.protocol.fields import Range, RequestModel, Stop, describe_range
 from serve_app.protocol.openai_common import (
     MaxTokens,
     ModelName,
@@ -79,7 +79,7 @@ Content = Annotated[
 ]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     # Other keys (name, tool_call_id, tool_calls) go through to the model's chat template.
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -93,9 +93,7 @@ def non_empty_messages(value: list) -> list:
     return value
 
 
-class ChatCompletionRequest(StreamUsage, BaseModel):
-    model_config = STRICT
-
+class ChatCompletionRequest(StreamUsage, RequestModel):
     model: ModelName = Field(
         description="A served model name: 1 to 256 letters, digits, '.', '-', '_'; "
         "not starting or ending with '.', '-', '_'."

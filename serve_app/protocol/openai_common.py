@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, PlainValidator, WithJsonSchema
+from pydantic import Field, PlainValidator, WithJsonSchema
 
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import INT32_MAX, STRICT, UINT64_MAX, Range
+from serve_app.protocol.fields import INT32_MAX, UINT64_MAX, Range, RequestModel
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 MODEL_NAME_RULE = (
@@ -43,9 +43,7 @@ NumSeqs = Annotated[int | None, Range(1, 128)]
 StreamInterval = Annotated[int | None, Range(1, INT32_MAX)]
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
-
+class StreamOptions(RequestModel):
     include_usage: bool | None = Field(
         False, description="Chat: one more chunk before [DONE] with empty choices and usage."
     )

@@ -3,7 +3,7 @@
 Request model with its ranges and the n / best_of / use_beam_search cross-rules (they
 differ between stream and non-stream), translation to a `TokenizeRequest` (text, or token ids as
 vLLM accepts) and a `ReplicaRequest`, and the response / chunk renderers. Finish reasons are
-OpenAI's words (stop / length) with `stop_reason` naming the stop string or token id; usage adds
+OpenAI's words (stop / length) with `stop_reason` naming the stop string or token text; usage adds
 MindIE's per-step `batch_size` and `queue_wait_time` (microseconds) arrays.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, PlainValidator, WithJsonSchema
+from pydantic import Field, PlainValidator, WithJsonSchema
 
 from serve_app.messages import (
     ChoiceDelta,
@@ -24,7 +24,7 @@ from serve_app.messages import (
 from serve_app.protocol import openai_common as common
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import STRICT, Range, Stop
+from serve_app.protocol.fields import Range, RequestModel, Stop
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import openai_finish, sampling_params
 
@@ -57,9 +57,7 @@ Prompt = Annotated[
 ]
 
 
-class CompletionRequest(BaseModel):
-    model_config = STRICT
-
+class CompletionRequest(RequestModel):
     model: str = Field(description="The served model name (ModelConfig.modelName).")
     prompt: Prompt = Field(description="Text (<= 4 MB characters) or a list of token ids.")
     use_beam_search: bool | None = Field(False, description="n sequences by beam search.")

@@ -14,6 +14,7 @@ from serve_app.protocol.errors import APIError
 
 PD_UNSUPPORTED = (
     "stop",
+    "stop_words",  # Triton's TensorRT-LLM-style stop strings
     "include_stop_str_in_output",
     "n",
     "best_of",

@@ -16,13 +16,13 @@ import json
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field
 
 from serve_app.messages import ErrorKind, ReplicaRequest, TokenizedPrompt, TokenizeRequest
 from serve_app.protocol.databricks_common import PositiveInt, Temperature, TopLogprobs, TopP
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError, invalid
-from serve_app.protocol.fields import STRICT
+from serve_app.protocol.fields import RequestModel
 from serve_app.protocol.openai_common import StreamOptions, StreamUsage
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import sampled_request
@@ -77,7 +77,7 @@ def _metadata(value: Any) -> Any:
     return value
 
 
-class TextFormat(BaseModel):
+class TextFormat(RequestModel):
     """OpenAI's flat `{"type": "json_schema", "name", "schema", "strict"}`, or Databricks'
     `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`."""
 
@@ -94,15 +94,11 @@ class TextFormat(BaseModel):
         return {"type": "json_schema", "json_schema": self.json_schema or flat}
 
 
-class TextConfig(BaseModel):
-    model_config = STRICT
-
+class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(StreamUsage, BaseModel):
-    model_config = STRICT
-
+class ResponsesRequest(StreamUsage, RequestModel):
     model: str | None = Field(None, description="The endpoint (model) that answers.")
     input: str | list[dict[str, Any]] = Field(
         description="A string, or a list of messages, function_call and function_call_output."

@@ -14,19 +14,17 @@ import re
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
 from serve_app.protocol.errors import invalid
-from serve_app.protocol.fields import STRICT
+from serve_app.protocol.fields import RequestModel
 
 MAX_TOOLS = 32
 MAX_PROPERTIES = 15
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-class FunctionDef(BaseModel):
-    model_config = STRICT
-
+class FunctionDef(RequestModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="1 to 64 of a-z A-Z 0-9 _ -")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
@@ -48,22 +46,16 @@ class FunctionDef(BaseModel):
         return value
 
 
-class Tool(BaseModel):
-    model_config = STRICT
-
+class Tool(RequestModel):
     type: Literal["function"] = Field(description="Only function tools are supported.")
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
-    model_config = STRICT
-
+class FunctionName(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = STRICT
-
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: FunctionName
 

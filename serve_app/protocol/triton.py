@@ -14,14 +14,21 @@ may be given only if equal), seed (0, 2^64-1], repetition_penalty > 0, typical_p
 watermark accepted but not applied, batch_size >= 1 and perf_stat accepted (MindIE's knobs; the
 details always report the real batch sizes), priority [1, 5] default 5, timeout (0, 3600] s
 default 600, stop a string of 1..32768 characters or a list of them (32768 characters in all;
-the completions rule). Unknown parameters are ignored, as Triton allows model-specific ones.
+the completions rule); TensorRT-LLM's stop_words (more stop strings) and bad_words (words kept out
+of the output), each a string or a list of strings where "" means none. Unknown parameters are
+ignored, as Triton allows model-specific ones.
+
+Triton passes any other attribute of the request object on as a parameter, and TensorRT-LLM's
+clients send their parameters that way (`{"text_input", "max_tokens", "bad_words", ...}`): every
+parameter may be given at the top level or inside `parameters`, with the same ranges; given in
+both places, the values must agree.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, Field, PlainValidator
+from pydantic import Field, PlainValidator, PrivateAttr
 
 from serve_app.messages import (
     ErrorKind,
@@ -35,15 +42,16 @@ from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import (
     INT32_MAX,
-    REQUEST_ID_PATTERN,
     STOP_SCHEMA,
-    STRICT,
     UINT64_MAX,
     Range,
+    RequestModel,
+    Words,
     stop_strings,
 )
 from serve_app.protocol.pd_refusals import refuse_in_pd
 from serve_app.protocol.sampling import mindie_finish, parameters_request
+from serve_app.structured.banned_words import BannedWords
 from serve_app.tokenizer.limits import DEFAULT_MAX_NEW_TOKENS
 
 
@@ -52,10 +60,8 @@ def _checked_stop(value: object) -> object:
     return value
 
 
-class GenerateParameters(BaseModel):
+class GenerateParameters(RequestModel):
     """`parameters` of the generate request; null means "not given"."""
-
-    model_config = STRICT
 
     stream: bool | None = Field(None, description="Accepted; the URL decides (generate_stream).")
     temperature: Annotated[float | None, Range(0.0)] = Field(
@@ -98,10 +104,18 @@ class GenerateParameters(BaseModel):
     stop: Annotated[str | list[str] | None, PlainValidator(_checked_stop), STOP_SCHEMA] = Field(
         None, description="Stop strings: 1..32768 characters each, 32768 in all."
     )
+    stop_words: Words = Field(
+        None, description='More stop strings (TensorRT-LLM\'s name); "" means none.'
+    )
+    bad_words: Words = Field(
+        None, description='Words kept out of the output (TensorRT-LLM\'s name); "" means none.'
+    )
 
     @property
     def stop_list(self) -> list[str]:
-        return stop_strings(self.stop) or []
+        """stop and stop_words together, each string once."""
+        both = (stop_strings(self.stop) or []) + (self.stop_words or [])
+        return list(dict.fromkeys(both))
 
     def output_tokens(self) -> int:
         """max_tokens or max_new_tokens (20 when neither): both may be given only if equal."""
@@ -117,28 +131,47 @@ class GenerateParameters(BaseModel):
         return DEFAULT_MAX_NEW_TOKENS if chosen is None else chosen
 
 
-class GenerateRequest(BaseModel):
-    """Body of generate / generate_stream; other top-level keys are ignored."""
-
-    model_config = STRICT
+class GenerateRequest(GenerateParameters):
+    """Body of generate / generate_stream. Every parameter may also be given at the top level
+    (the fields inherited from GenerateParameters, validated and named there); `params` is the
+    two merged. Other top-level keys are ignored."""
 
     id: str | None = Field(
-        None,
-        pattern=REQUEST_ID_PATTERN,
-        description="Echoed back; stopInfer {id} stops the request. [A-Za-z0-9_-]{1,256}.",
+        None, description="Any string; echoed back, and stopInfer {id} stops the request."
     )
     text_input: str = Field(description="The prompt text.")
     parameters: GenerateParameters | None = Field(None, description="Generation parameters.")
+    _params: GenerateParameters | None = PrivateAttr(None)
 
     @property
     def params(self) -> GenerateParameters:
-        return self.parameters or GenerateParameters()
+        """The top-level parameters and `parameters` as one; a name given in both places with
+        different values is refused, naming it."""
+        if self._params is None:
+            inner, merged = self.parameters, {}
+            for name in GenerateParameters.model_fields:
+                top = getattr(self, name)
+                nested = None if inner is None else getattr(inner, name)
+                if top is not None and nested is not None and top != nested:
+                    raise APIError(
+                        ErrorKind.VALIDATION,
+                        f"{name} ({top!r}) and parameters.{name} ({nested!r}) conflict; give it "
+                        "once, at the top level or in parameters",
+                        name,
+                    )
+                merged[name] = top if top is not None else nested
+            self._params = GenerateParameters.model_construct(**merged)
+        return self._params
 
     # -- translation ------------------------------------------------------------------------
 
     def check(self, pd_mode: bool) -> None:
         """PD refusals first, then the rules across fields."""
-        refuse_in_pd(pd_mode, {"stop": bool(self.params.stop_list)})
+        inner = self.parameters or GenerateParameters()
+        stop = stop_strings(self.stop) or stop_strings(inner.stop)
+        refuse_in_pd(
+            pd_mode, {"stop": bool(stop), "stop_words": bool(self.stop_words or inner.stop_words)}
+        )
         self.params.output_tokens()
 
     def tokenize_request(self, model: str) -> TokenizeRequest:
@@ -154,10 +187,13 @@ class GenerateRequest(BaseModel):
     ) -> ReplicaRequest:
         """stream: the route's (generate_stream), not parameters.stream."""
         params = self.params
-        return parameters_request(
+        req = parameters_request(
             request_id, prompt, defaults, params, seed=params.seed,
             max_new_tokens=params.output_tokens(), stop=params.stop_list, stream=stream,
         )  # fmt: skip
+        if params.bad_words:
+            req.params.constraint = BannedWords(tuple(params.bad_words))
+        return req
 
 
 class Head:

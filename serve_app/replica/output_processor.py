@@ -127,13 +127,11 @@ class OutputProcessor:
         merged = None
         for output in outputs:
             chunk = self.process(output)
-            if chunk is None:
-                continue
-            if merged is None:
-                merged = chunk
-            else:
+            if chunk is not None and merged is not None:
                 merged.absorb(chunk)
-            if merged.finished:
+            elif chunk is not None:
+                merged = chunk
+            if merged is not None and merged.finished:
                 break
         return merged
 
@@ -239,7 +237,9 @@ class OutputProcessor:
                 self._add_text(choice, delta, choice.stop.flush())
                 reason = co.finish_reason or FinishReason.ABORTED
                 choice.finished = True
-                delta.finish_reason, delta.stop_reason = reason.value, co.stop_reason
+                stop = co.stop_reason  # text in every family: a stop token is spelled out
+                delta.finish_reason = reason.value
+                delta.stop_reason = self._token_text(stop) if isinstance(stop, int) else stop
         delta.num_output_tokens = choice.num_output_tokens
         if delta.token_texts is not None:
             delta.token_texts = texts

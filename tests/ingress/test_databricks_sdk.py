@@ -76,3 +76,20 @@ def test_query_embeddings(workspace):
     vectors = [d.embedding for d in reply.data]
     similarity = [sum(x * y for x, y in zip(vectors[0], v, strict=True)) for v in vectors[1:]]
     assert len(vectors[0]) == 384 and similarity[0] > similarity[1]
+
+
+def test_explicit_nulls_from_the_openai_client_mean_not_given(live_url):
+    """The openai client sends null for every argument given as None (here through Databricks'
+    OpenAI-compatible paths, as `get_open_ai_client` points it): each is the field not given."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{live_url}/serving-endpoints", api_key="x", max_retries=0)
+    nulls = {"use_raw_prompt": None, "error_behavior": None, "n": None}
+    plain = client.completions.create(model="demo", prompt="hi", max_tokens=3, temperature=0)
+    given = client.completions.create(
+        model="demo", prompt="hi", max_tokens=3, temperature=0, suffix=None, echo=None,
+        stop=None, top_p=None, extra_body=nulls,
+    )  # fmt: skip
+    assert given.choices[0].text == plain.choices[0].text
+    vectors = client.embeddings.create(model="minilm", input=["a cat"], encoding_format=None)
+    assert len(vectors.data[0].embedding) == 384

@@ -68,8 +68,12 @@ def test_bad_parameter_is_400(client, route, name, value, words):
         ({}, ["text_input is required"]),
         ({"text_input": ""}, ["text_input must have between 1 and"]),
         ({"text_input": "x" * 4000}, ["text_input must have between 1 and 256 tokens"]),
-        ({"text_input": "x", "id": "no spaces"}, ["id"]),
-        ({"text_input": "x", "id": "a" * 257}, ["id"]),
+        ({"text_input": "x", "id": 42}, ["id"]),
+        ({"text_input": "x", "max_tokens": 0}, ["max_tokens must be in (0, 2147483647]"]),
+        (
+            {"text_input": "x", "max_tokens": 3, "parameters": {"max_tokens": 4}},
+            ["max_tokens (3) and parameters.max_tokens (4) conflict"],
+        ),
         ({"text_input": "x", "parameters": {"max_tokens": 3, "max_new_tokens": 4}}, ["conflict"]),
     ],
 )
@@ -139,6 +143,44 @@ def test_stop_string_ends_the_text(client):
     assert out.json()["details"]["finish_reason"] == "stop_sequence"
 
 
+def test_a_tensorrt_llm_style_body_is_obeyed(client):
+    """TensorRT-LLM's clients put their parameters at the top level of the request object;
+    Triton passes those on as parameters, so they must act as if sent in `parameters`."""
+    trt = {"text_input": "abc", "max_tokens": 6, "temperature": 0, "bad_words": "",
+           "stop_words": "", "stream": False, "end_id": 2}  # fmt: skip
+    out = client.post(GEN, json={**trt, "details": True}).json()
+    assert out["details"]["generated_tokens"] == 6
+    nested = {"text_input": "abc", "parameters": {"max_tokens": 6, "temperature": 0}}
+    assert out["text_output"] == client.post(GEN, json=nested).json()["text_output"]
+    # greedy, not sampled at the default temperature: the same text every time
+    assert client.post(GEN, json=trt).json()["text_output"] == out["text_output"]
+    streamed = events(client.post(STREAM, json=trt))
+    assert "".join(e["text_output"] for e in streamed) == out["text_output"]
+
+
+def test_stop_words_are_stop_strings(client):
+    params = {"temperature": 0, "max_tokens": 20, "details": True}
+    full = client.post(GEN, json={"text_input": "abc", **params}).json()["text_output"]
+    stop = full[8:11]
+    out = client.post(GEN, json={"text_input": "abc", **params, "stop_words": [stop, ""]}).json()
+    assert out["text_output"] == full[: full.index(stop)]
+    assert out["details"]["finish_reason"] == "stop_sequence"
+
+
+def test_bad_words_never_appear_in_the_output(client, kv_idle):
+    params = {"temperature": 0, "max_tokens": 12, "details": True}
+    full = client.post(GEN, json={"text_input": "abc", **params}).json()["text_output"]
+    words = full.split()
+    banned = words[len(words) // 2]  # the greedy path spells it: the ban must turn it away
+    for where in ({"bad_words": [banned]}, {"parameters": {"bad_words": banned}}):
+        out = client.post(GEN, json={"text_input": "abc", **params, **where})
+        assert out.status_code == 200, out.text
+        text = out.json()["text_output"]
+        assert banned not in text.split() and text != full, (banned, full, text)
+        assert out.json()["details"]["generated_tokens"] == 12
+    assert kv_idle()
+
+
 def test_timeout_is_500_or_an_error_event(long_client, engine_watch):
     body = {
         "text_input": "a long story",  # greedy: only its length would end it otherwise
@@ -175,17 +217,20 @@ def _stream_in_thread(client, body: dict) -> tuple[threading.Thread, threading.E
     return thread, first, result
 
 
-def test_stop_infer_ends_a_running_stream(long_client, engine_watch):
+# Triton's id is any string: each is echoed and addresses stopInfer
+@pytest.mark.parametrize("request_id", ["stop-me", "run 7: step.3", ""])
+def test_stop_infer_ends_a_running_stream(long_client, engine_watch, request_id):
     body = {
-        "id": "stop-me",
+        "id": request_id,
         "text_input": "a long story",  # greedy: no EOS to end it early
         "parameters": {"max_tokens": LONG_MAX_TOKENS, "temperature": 0, "details": True},
     }
     thread, first, result = _stream_in_thread(long_client, body)
     assert first.wait(60), "no event within 60 s"
     assert result["status"] == 200 and result["events"], result
-    stopped = long_client.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
-    assert stopped.status_code == 200 and stopped.json() == {"id": "stop-me"}
+    assert all(e["id"] == request_id for e in result["events"])
+    stopped = long_client.post("/v2/models/demo/stopInfer", json={"id": request_id})
+    assert stopped.status_code == 200 and stopped.json() == {"id": request_id}
     thread.join(60)
     assert not thread.is_alive(), "the stream did not end after stopInfer"
     got = result["events"]
@@ -194,7 +239,7 @@ def test_stop_infer_ends_a_running_stream(long_client, engine_watch):
     assert 1 <= got[-1]["details"]["generated_tokens"] < LONG_MAX_TOKENS
     assert all("details" not in e for e in got[:-1])
     engine_watch.freed_early()
-    gone = long_client.post("/v2/models/demo/stopInfer", json={"id": "stop-me"})
+    gone = long_client.post("/v2/models/demo/stopInfer", json={"id": request_id})
     assert gone.status_code == 404  # the id is free again once the request ended
 
 

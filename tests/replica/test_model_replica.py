@@ -191,7 +191,8 @@ def test_stop_token_ids(replica, prompt, reference, include):
     decode = replica.tokenizer.decode
     assert joined(chunks) == decode(ids[: k + 1] if include else ids[:k])
     last = last_delta(chunks)
-    assert (last.finish_reason, last.stop_reason) == ("stop_token", ids[k])
+    stop_text = decode([ids[k]], skip_special_tokens=False)  # the token's text, never its id
+    assert (last.finish_reason, last.stop_reason) == ("stop_token", stop_text)
     assert last.num_output_tokens == k + 1
 
 
