@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: serve test lint bench install
+.PHONY: serve test test-fast lint bench install
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check serve_app tests bench
 	$(BIN)/python -m pytest -q --durations=15 -n 2
+
+# The inner loop: everything but the tests that start Ray or a server (marker `ray`) and the
+# heaviest files (marker `slow`; both listed in tests/conftest.py). CI runs `make test`.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m "not ray and not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

@@ -9,13 +9,30 @@ waits with the CPU-bound engine and route tests, at a lower CPU priority (nice 1
 take only the time the Ray tests leave and the apps start up as fast as in a serial run.
 """
 
+import contextlib
 import os
+import signal
+import time
 
 import pytest
 import torch
 
-# Test files (paths from the repository root) that start or join a Ray instance.
+# Test files (paths from the repository root) that start or join a Ray instance: one unit, run
+# first, on one worker, in file order. Ray's start-ups and replica loads take both cores of a
+# 2-core machine, so two Ray units side by side only slowed each other (and the tests that find
+# Ray's processes by name would see the other unit's).
 RAY_TESTS = ("tests/serve/", "tests/cluster/test_cli.py", "tests/disagg/test_connector.py")
+# The heaviest test files without Ray (model parity on whole models, engine processes, the
+# benches' own servers): left out of `make test-fast` with RAY_TESTS (marker `slow`).
+SLOW_TESTS = (
+    "tests/engine/test_engine.py", "tests/engine/test_engine_process.py",
+    "tests/engine/test_npu_attention.py", "tests/engine/test_smollm2.py",
+    "tests/engine/test_spare_cores.py", "tests/engine/test_cpu_layers.py",
+    "tests/engine/test_cpu_gemm.py", "tests/engine/test_kv_transfer.py",
+    "tests/engine/test_cuda_graphs.py", "tests/structured/test_structured_engine.py",
+    "tests/structured/test_structured_smollm2.py", "tests/models/", "tests/bench/",
+    "tests/ingress/test_fuzz.py",
+)  # fmt: skip
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -37,6 +54,72 @@ def pytest_xdist_make_scheduler(config, log):
             super()._assign_work_unit(node)
 
     return ByFileRayTogether(config, log)
+
+
+# Every process a test starts (Ray's daemons and workers, servers, engine processes) inherits this
+# variable, set per pytest process before any test runs; at the session's end none may be left.
+TEST_RUN_ENV = "SERVE_APP_TEST_RUN"
+LEFTOVER_WAIT_S = 30  # Ray's workers exit a few seconds after the cluster is shut down
+
+
+def pytest_configure(config):
+    os.environ[TEST_RUN_ENV] = f"{os.getpid()}-{time.time_ns()}"
+
+
+def _started_by_this_run() -> dict[int, str]:
+    """pid -> command line of the live processes carrying this run's marker (this one aside;
+    multiprocessing's resource tracker, which lives as long as this process, too)."""
+    needle = f"{TEST_RUN_ENV}={os.environ[TEST_RUN_ENV]}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if not zombie and "multiprocessing.resource_tracker" not in command:
+            found[int(entry)] = command
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_session():
+    """Torn down after every other session fixture: what the tests started must be gone. What
+    is left is killed, and the session fails naming it."""
+    yield
+    if not os.path.isdir("/proc"):
+        return
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while (left := _started_by_this_run()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "processes started by the tests outlived the session (killed now):\n" + (
+        "\n".join(f"{pid}: {command[:200]}" for pid, command in sorted(left.items()))
+    )
+
+
+# pytest-timeout's limit (pyproject: 120 s a test) for the tests that start Ray or a server: the
+# first test of a module also waits for its app to deploy, and replicas are replaced in them.
+RAY_TEST_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(RAY_TESTS):
+            item.add_marker(pytest.mark.ray)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
+        elif item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
 
 
 def _lower_priority() -> None:

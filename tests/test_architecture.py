@@ -137,3 +137,25 @@ def test_processes_without_a_model_do_not_import_the_model_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "serve_app.engine.llm serve_app.engine.params"]
+
+
+def test_requires_python_is_what_the_code_needs():
+    """pyproject's requires-python and ruff's target are the oldest Python the code's syntax and
+    standard library need (vermin reads every file of the package, the bench and the tests)."""
+    import subprocess
+    import sys
+
+    pyproject = (ROOT.parent / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.search(r'^requires-python = "(.*)"$', pyproject, re.M).group(1)
+    target = re.search(r'^target-version = "(.*)"$', pyproject, re.M).group(1)
+    vermin = "import sys, vermin; sys.exit(vermin.main())"
+    found = subprocess.run(
+        [sys.executable, "-c", vermin, "--no-tips", "--eval-annotations", "--no-parse-comments",
+         "serve_app", "bench", "tests"],
+        cwd=ROOT.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    minimum = re.search(r"Minimum required versions: (3\.\d+)", found.stdout)
+    assert minimum, found.stdout + found.stderr
+    major, minor = minimum.group(1).split(".")
+    assert declared == f">={major}.{minor}", (declared, minimum.group(1))
+    assert target == f"py{major}{minor}"

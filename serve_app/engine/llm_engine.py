@@ -55,6 +55,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.num_kv_imports = 0
+        self.num_steps = 0  # steps that ran the model (tests count progress by them)
 
     def _logits_width(self) -> int:
         """Entries in a logits row: the LM head's rows (may be padded past the tokenizer)."""
@@ -128,6 +129,7 @@ class LLMEngine:
             "prefix_cache_queries": pool.num_cache_queries,
             "num_kv_exports": self.updater.num_kv_exports,
             "num_kv_imports": self.num_kv_imports,
+            "num_steps": self.num_steps,
             **shared_chunks(),  # with engineSpareCpus: the helpers' share of the CPU kernels
         }
 
@@ -156,6 +158,7 @@ class LLMEngine:
             return outputs
         sampled = batch.sampling_positions()
         logits = self._run(batch, sampled)
+        self.num_steps += 1
         updates = self.updater.update(batch, logits, sampled, start)
         for output in updates:
             if output.finished:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from serve_app.config import load_config
+from tests.stepping import Stepping
 
 CONFIG = {
     "BackendConfig": {
@@ -42,8 +43,9 @@ def sb(load_bench):
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    """The app on 127.0.0.1:<free port>, served by uvicorn in a background thread."""
+def served():
+    """(base URL, model replica): the app on 127.0.0.1:<free port>, served by uvicorn in a
+    background thread."""
     import uvicorn
 
     from serve_app.ingress.app import create_app
@@ -67,11 +69,16 @@ def base_url():
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", replica
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         replica.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(served):
+    return served[0]
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -362,8 +369,11 @@ LEVEL_KEYS = {
 }  # fmt: skip
 
 
-def test_send_records_http_errors_refused_connections_and_timeouts(sb, base_url):
+def test_send_records_http_errors_refused_connections_and_timeouts(sb, served, monkeypatch):
     """Every way a request fails ends in its Record, never in an exception out of send."""
+    base_url, replica = served
+    # each engine step at least 50 ms: the 16-token stream outlasts its 0.3 s on any machine
+    Stepping(replica.engine.engine, monkeypatch, pace_s=0.05)
 
     async def run() -> list:
         async with sb.session() as client:
@@ -378,14 +388,15 @@ def test_send_records_http_errors_refused_connections_and_timeouts(sb, base_url)
                 await sb.send(client, url, ok, 30),
                 await sb.send(client, url, bad, 30),
                 await sb.send(client, closed, ok, 30),
-                await sb.send(client, url, slow, 0.001),
+                await sb.send(client, url, slow, 0.3),
             ]
 
     ok, bad, refused, late = asyncio.run(run())
     assert ok.error is None and ok.done and ok.tokens == 4 and ok.ttft > 0
     assert bad.error.startswith("HTTP 400") and "max_tokens" in bad.error and not bad.done
     assert refused.error.startswith("ConnectionRefusedError") and not refused.timed_out
-    assert late.timed_out and late.error == "timeout after 0.001 s"
+    assert late.timed_out and late.error == "timeout after 0.3 s"
+    assert 0 < late.tokens < 16  # cut mid-stream: it had started
     assert all(r.end >= r.start for r in (ok, bad, refused, late))
 
 
@@ -515,14 +526,17 @@ def test_replot_draws_a_saved_result_again_without_sending(sb, tmp_path, monkeyp
 def test_server_cpu_counts_a_process_tree_by_label(sb):
     from proc_cpu import TreeCPU
 
+    # the child says when it has burnt its 0.4 s of CPU (however long that takes here), then
+    # waits to be measured
     burn = (
-        "#burn\nimport time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+        "#burn\nimport time\nend = time.process_time() + 0.4\n"
+        "while time.process_time() < end: pass\nprint('burnt', flush=True)\ntime.sleep(60)"
     )
     tree = TreeCPU([os.getpid()])  # this process and its descendants
     before = tree.snapshot()
-    child = subprocess.Popen([sys.executable, "-c", burn + "\ntime.sleep(30)"])
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.5)
+        assert child.stdout.readline().strip() == "burnt"
         spent = TreeCPU.spent(before, tree.snapshot())
     finally:
         child.kill()

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
+from tests.serve.serve_helpers import assert_freed_early, seconds_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -40,7 +41,7 @@ def _config_copy(name: str, tmp_path: Path) -> tuple[Path, str]:
     spec = yaml.safe_load((ROOT / name).read_text())
     port = _free_port()
     spec["http_options"]["port"] = port
-    path = tmp_path / name
+    path = tmp_path / Path(name).name
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path, f"http://127.0.0.1:{port}"
 
@@ -187,3 +188,151 @@ def test_ray_start_then_serve_deploy_status_shutdown(tmp_path):
         # group after 5 s is killed (its workers exit with the raylet)
         _stop(head, signal.SIGTERM, wait_s=5)
         shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+# -- `make serve`: python -m serve_app --------------------------------------------------------
+
+
+def _left_behind(marker: str) -> list[str]:
+    """Command lines of live processes whose environment carries marker (zombies aside)."""
+    needle = marker.encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append(f.read().replace(b"\0", b" ").decode(errors="replace")[:200])
+        except OSError:
+            continue
+    return found
+
+
+def _serve_command(config: Path, tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path, str]:
+    """`python -m serve_app config` as `make serve` runs it, with a variable of its own in its
+    environment (and so in every process it starts) to find what it leaves behind."""
+    marker = f"SERVE_APP_COMMAND_TEST={name}-{time.time_ns()}"
+    key, value = marker.split("=")
+    log = tmp_path / f"{name}.log"
+    # RAY_ADDRESS=local: a Ray of its own even when another test's cluster runs on this machine
+    env = _env(RAY_ADDRESS="local", **{key: value})
+    process = _start([sys.executable, "-m", "serve_app", str(config)], env, log)
+    return process, log, marker
+
+
+def _wait_ready_line(process: subprocess.Popen, log: Path, base: str) -> None:
+    deadline = time.monotonic() + READY_S
+    while f"serve_app ready at {base}" not in log.read_text(errors="replace"):
+        assert process.poll() is None, f"exited ({process.returncode}) before its ready line"
+        assert time.monotonic() < deadline, f"no ready line after {READY_S} s"
+        time.sleep(0.5)
+    assert _get(f"{base}/v2/health/ready") == 200  # ready means ready
+
+
+def _stops_on(process: subprocess.Popen, sig: int, marker: str, log: Path) -> None:
+    """The signal stops the command within a minute, and nothing it started outlives it."""
+    os.kill(process.pid, sig)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 60 s after {signal.Signals(sig).name}:\n{_tail(log)}")
+    deadline = time.monotonic() + 30  # Ray's workers exit shortly after its raylet
+    while (left := _left_behind(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"left behind after {signal.Signals(sig).name}: {left}"
+
+
+def _metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+    )
+
+
+def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp_path):
+    """The path every user takes first: `make serve` (python -m serve_app deployments.yaml,
+    the ingress serving HTTP itself) prints its ready line, answers a chat, frees the KV of a
+    stream its client dropped, stops a request by stopInfer, serves /metrics, and Ctrl-C
+    (SIGINT) stops it with every process it started."""
+    config, base = _config_copy("deployments.yaml", tmp_path)
+    process, log, marker = _serve_command(config, tmp_path, "sigint")
+    try:
+        _wait_ready_line(process, log, base)
+        model = "smollm2-135m-instruct"
+        chat = _post(f"{base}/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "What is the capital of "
+            "France?"}], "max_tokens": 16, "top_k": 1})  # fmt: skip
+        assert "Paris" in chat["choices"][0]["message"]["content"]
+        # a stream of up to maxIterTimes (512) tokens, dropped after its first event: the KV
+        # pool is idle again long before those tokens could have been generated
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 512,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        request = urllib.request.Request(
+            f"{base}/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        s_per_token = seconds_per_token(base, 32)
+        with urllib.request.urlopen(request, timeout=60) as stream:
+            assert stream.readline().startswith(b"data: ")
+        dropped_at = time.monotonic()
+
+        def idle(timeout_s: float) -> bool:
+            deadline = time.monotonic() + timeout_s
+            while _metric(base, "num_requests_running") or _metric(base, "npu_cache_usage_perc"):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.1)
+            return True
+
+        assert_freed_early(idle, dropped_at, 511, s_per_token)
+        # stopInfer ends a running request by its id
+        stopped: dict = {}
+
+        def stop_soon() -> None:
+            for _ in range(100):
+                time.sleep(0.1)
+                try:
+                    stopped["answer"] = _post(f"{base}/v2/models/{model}/stopInfer", {"id": "s 1"})
+                    return
+                except urllib.error.HTTPError:  # not running yet
+                    continue
+
+        stopper = threading.Thread(target=stop_soon)
+        stopper.start()
+        generate = {"id": "s 1", "text_input": "Count to a thousand:", "max_tokens": 500,
+                    "ignore_eos": True, "details": True}  # fmt: skip
+        answer = _post(f"{base}/v2/models/{model}/generate", generate)
+        stopper.join()
+        assert stopped.get("answer") == {"id": "s 1"}
+        assert answer["details"]["finish_reason"] == "stop_sequence"
+        assert answer["details"]["generated_tokens"] < 500
+        assert _metric(base, "request_received_total") >= 3
+    except AssertionError as exc:
+        _stop(process)
+        raise AssertionError(f"{exc}\n--- python -m serve_app output ---\n{_tail(log)}") from None
+    try:
+        _stops_on(process, signal.SIGINT, marker, log)
+    finally:
+        _stop(process)
+
+
+def test_make_serve_quits_on_sigterm(tmp_path):
+    """SIGTERM (`kill`, a service manager's stop) stops it as Ctrl-C does, leaving nothing.
+    On the random demo model without embeddings: the stop is what is tested."""
+    config, base = _config_copy("bench/demo.yaml", tmp_path)
+    spec = yaml.safe_load(config.read_text())
+    spec["applications"][0]["args"].pop("EmbeddingConfig", None)
+    config.write_text(yaml.safe_dump(spec, sort_keys=False))
+    process, log, marker = _serve_command(config, tmp_path, "sigterm")
+    try:
+        _wait_ready_line(process, log, base)
+        _stops_on(process, signal.SIGTERM, marker, log)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- python -m serve_app output ---\n{_tail(log)}") from None
+    finally:
+        _stop(process)

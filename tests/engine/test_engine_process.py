@@ -27,9 +27,12 @@ from serve_app.engine.outputs import (
 from serve_app.engine.params import FinishReason
 
 CONFIG = EngineConfig(
-    model="demo-tiny", dtype="float32", max_seq_len=256, max_input_token_len=128,
-    max_iter_times=64, max_prefill_tokens=256, block_size=16, num_kv_blocks=64,
+    model="demo-tiny", dtype="float32", max_seq_len=4096, max_input_token_len=128,
+    max_iter_times=4000, max_prefill_tokens=256, block_size=16, num_kv_blocks=300,
 )  # fmt: skip
+# A request that only an abort can end early: its whole length is LONG steps, and an abort test
+# asserts that the engine ran a tenth of them at most (its step counter, not a clock)
+LONG = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
 PROCESS = CONFIG.replace(engine_process=True)
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [9] * 17, list(range(100, 103))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -47,13 +50,20 @@ async def _all(engine: AsyncEngine, tag: str) -> list[list[int]]:
     return list(await asyncio.gather(*runs))
 
 
-async def _idle(engine: AsyncEngine) -> dict:
-    for _ in range(200):
+async def _idle(engine: AsyncEngine, steps_before: int | None = None) -> dict:
+    """The engine's stats once nothing runs and every block is free (polled for up to 20 s).
+    steps_before: the engine's step count when the test's only request started; then fewer
+    than a tenth of LONG's steps may have run since (an aborted request, not a finished one)."""
+    for _ in range(1000):
         stats = engine.stats()
         if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
             break
         await asyncio.sleep(0.02)
-    return engine.stats()
+    stats = engine.stats()
+    if steps_before is not None:
+        ran = stats["num_steps"] - steps_before
+        assert ran < LONG.max_tokens // 10, f"{ran} steps: the request was not aborted early"
+    return stats
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +80,17 @@ def test_a_process_engine_gives_the_threads_tokens(process_engine):
     finally:
         thread_engine.shutdown()
     assert process_engine.engine is None  # nothing of the model in this process
-    assert process_engine.info.max_model_len == 256 and process_engine.info.num_blocks == 64
+    assert process_engine.info.max_model_len == 4096 and process_engine.info.num_blocks == 300
     assert asyncio.run(_all(process_engine, "p")) == expected
     assert process_engine.is_running
 
 
 def test_leaving_early_aborts_in_the_child_and_frees_its_blocks(process_engine):
     async def run():
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        request = EngineRequest("gone", PROMPTS[1], params)
-        async for _ in process_engine.generate(request):
+        steps = process_engine.stats()["num_steps"]
+        async for _ in process_engine.generate(EngineRequest("gone", PROMPTS[1], LONG)):
             break  # the client went away
-        return await _idle(process_engine)
+        return await _idle(process_engine, steps)
 
     stats = asyncio.run(run())
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
@@ -205,8 +214,7 @@ def test_a_dead_engine_process_ends_every_stream_and_refuses_new_ones():
     engine = AsyncEngine(PROCESS)
 
     async def run():
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        stream = engine.generate(EngineRequest("victim", PROMPTS[1], params))
+        stream = engine.generate(EngineRequest("victim", PROMPTS[1], LONG))
         await anext(stream)
         os.kill(engine._process._process.pid, signal.SIGKILL)
         with pytest.raises(EngineError, match="engine process exited"):
@@ -319,12 +327,12 @@ def test_feeding_hands_each_output_to_a_function_and_leaving_aborts(process_engi
         with process_engine.feeding(EngineRequest("oov", [10**9], GREEDY), refuse):
             await over  # outside the vocabulary
         first = loop.create_future()
-        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        steps = process_engine.stats()["num_steps"]
         with process_engine.feeding(
-            EngineRequest("left", PROMPTS[1], long), lambda x: first.done() or first.set_result(x)
+            EngineRequest("left", PROMPTS[1], LONG), lambda x: first.done() or first.set_result(x)
         ):
             await first  # the consumer leaves after the first output
-        return got, refused, await _idle(process_engine)
+        return got, refused, await _idle(process_engine, steps)
 
     got, refused, stats = asyncio.run(run())
     expected = asyncio.run(_tokens(process_engine, "fed-again", PROMPTS[1]))

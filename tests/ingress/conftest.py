@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from serve_app.config import load_config
 from serve_app.protocol.errors import family_for_path
+from tests.stepping import Stepping
 
 ROUTE_TEST_CONFIG = {
     "BackendConfig": {
@@ -184,15 +185,20 @@ def long_client(long_route_app):
         yield c
 
 
+# The long app's engine steps are paced to at least this long each, so that LONG_MAX_TOKENS
+# tokens take seconds on any machine: a timeout of a fraction of a second ends a request long
+# before its end, and no wait of the tests can see one finish by itself.
+LONG_STEP_PACE_S = 0.002
+
+
 class EngineWatch:
-    """Counts the steps of the long app's engine (a pass-through wrapper around its `step`)
-    and waits for its KV pool to go idle.
+    """Counts and paces the steps of the long app's engine (`tests/stepping.py`) and waits for
+    its KV pool to go idle.
 
     A request of N tokens that is not aborted runs at least N steps (one token per step), so
     `freed_early(N)` (idle, and fewer than N // 10 steps since the watch started) can only
     hold when something ended the request early: a missing abort either still holds its
-    blocks when the wait ends or, on a machine fast enough to finish it inside the wait, has
-    run its N steps.
+    blocks when the wait ends or has run its N steps.
     """
 
     def __init__(self, client, monkeypatch) -> None:
@@ -200,14 +206,15 @@ class EngineWatch:
         self.replica = client.app.state.replica
         engine = self.replica.engine.engine  # the in-process LLMEngine (thread mode)
         assert engine is not None, "the long app's engine must run on a thread in this process"
-        self.steps = 0
-        original = engine.step
+        self.stepping = Stepping(engine, monkeypatch, pace_s=LONG_STEP_PACE_S)
 
-        def counted():
-            self.steps += 1
-            return original()
+    @property
+    def steps(self) -> int:
+        return self.stepping.steps
 
-        monkeypatch.setattr(engine, "step", counted)
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.stepping.steps = value
 
     def stats(self) -> dict:
         return self.client.portal.call(self.replica.stats)

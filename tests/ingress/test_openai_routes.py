@@ -20,6 +20,7 @@ from serve_app.messages import (
 )
 from serve_app.protocol.sampling import sampling_params
 from tests.ingress.conftest import LONG_MAX_TOKENS
+from tests.stepping import Stepping
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "demo", "prompt": "hi"}
@@ -560,21 +561,12 @@ def test_completion_stream_n_best_of_equal_and_usage_on_last_chunk(client, kv_id
 
 @pytest.fixture
 def paced_steps(route_app, monkeypatch):
-    """Each engine step of the route app's replica 50 ms long. A stream whose consumer falls
-    behind the engine gets the waiting tokens as one chunk, by design: demo-tiny's sub-ms steps
-    outran the event loop on a busy machine (the suite's other worker), so tests of chunk sizes
-    pace the engine, and the sizes they assert are stream_interval's alone (at 20 ms a step,
-    a clean clone's CI once merged two of a Triton stream's chunks)."""
-    import time
-
-    engine = route_app.state.replica.engine.engine  # the step loop runs on a thread here
-    step = engine.step
-
-    def paced():
-        time.sleep(0.05)
-        return step()
-
-    monkeypatch.setattr(engine, "step", paced)
+    """Each engine step of the route app's replica at least 50 ms long. A stream whose consumer
+    falls behind the engine gets the waiting tokens as one chunk, by design: demo-tiny's sub-ms
+    steps outran the event loop on a busy machine (the suite's other worker), so tests of chunk
+    sizes pace the engine, and the sizes they assert are stream_interval's alone (at 20 ms a
+    step, a clean clone's CI once merged two of a Triton stream's chunks)."""
+    return Stepping(route_app.state.replica.engine.engine, monkeypatch, pace_s=0.05)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -708,10 +700,11 @@ def _histogram_sums(client, model: str = "demo") -> dict[str, float]:
     return sums
 
 
-def test_a_non_stream_request_reports_its_real_time_to_first_token(client, kv_idle):
+def test_a_non_stream_request_reports_its_real_time_to_first_token(client, kv_idle, paced_steps):
     """The whole answer arrives in one chunk; the time to first token is still when the first
     token came out of the engine (not when the answer came), and the time per output token the
-    gaps after it."""
+    gaps after it. Each step takes at least 50 ms (paced_steps): the 63 decode steps after the
+    first token take at least 63 x 50 ms on any machine, and that time must not be in the TTFT."""
     before = _histogram_sums(client)
     body = {"model": "demo", "prompt": "count", "max_tokens": 64, "ignore_eos": True,
             "temperature": 0}  # fmt: skip
@@ -724,7 +717,8 @@ def test_a_non_stream_request_reports_its_real_time_to_first_token(client, kv_id
         rose["time_per_output_token_seconds"],
         rose["e2e_request_latency_seconds"],
     )
-    # 63 decode steps come after the first token: most of the request's time (before, the
-    # first token counted as arriving with the last, so ttft was e2e and tpot ~0)
-    assert 0 < ttft < 0.5 * e2e and tpot > 0
+    # 63 paced decode steps come after the first token (before, the first token counted as
+    # arriving with the last, so ttft was e2e and tpot ~0)
+    assert ttft > 0 and e2e - ttft >= 63 * paced_steps.pace_s
+    assert tpot >= paced_steps.pace_s
     assert kv_idle()

@@ -11,6 +11,7 @@ from serve_app.config import load_config
 from serve_app.engine.params import SamplingParams
 from serve_app.messages import ReplicaRequest
 from serve_app.replica.model_replica import ModelReplica
+from tests.stepping import Stepping
 
 CONFIG = {
     "BackendConfig": {
@@ -142,11 +143,11 @@ def spanning_stop(reference):
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_spanning_tokens(replica, prompt, reference, stream, include, monkeypatch):
     stop, start, num_tokens = spanning_stop(reference)
-    engine, steps, sent = replica.engine.engine, [], []
-    step, abort = engine.step, replica.engine.abort
-    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    stepping, sent, abort = Stepping(replica.engine.engine, monkeypatch), [], replica.engine.abort
     # the steps run when the replica, having matched the stop string, sends the abort
-    monkeypatch.setattr(replica.engine, "abort", lambda rid: sent.append(len(steps)) or abort(rid))
+    monkeypatch.setattr(
+        replica.engine, "abort", lambda rid: sent.append(stepping.steps) or abort(rid)
+    )
     req = request(
         prompt,
         greedy(64),
@@ -170,7 +171,7 @@ def test_stop_string_spanning_tokens(replica, prompt, reference, stream, include
     # between the completing token and the match are the event loop's lag behind the step
     # loop: one on a quiet machine, more on a loaded one.)
     assert len(sent) == 1 and num_tokens <= sent[0] < 64
-    assert len(steps) <= sent[0] + 2
+    assert stepping.steps <= sent[0] + 2
 
 
 def test_stop_string_in_first_token(replica, prompt, reference):
@@ -243,7 +244,9 @@ def test_timeout_before_first_token(replica, prompt):
     wait_idle(replica)
 
 
-def test_timeout_mid_stream(replica, prompt):
+def test_timeout_mid_stream(replica, prompt, monkeypatch):
+    # each step at least 1 ms: LONG tokens take longer than the timeout on any machine
+    Stepping(replica.engine.engine, monkeypatch, pace_s=0.001)
     chunks = collect(replica, request(prompt, greedy(LONG), timeout_s=0.05, token_texts=True))
     assert chunks[-1].error_kind == "timeout" and len(joined(chunks, attr="token_ids")) < LONG
     ids = joined(chunks, attr="token_ids")
@@ -340,17 +343,23 @@ def test_engine_non_streaming_requests_report_one_step_per_token(replica, prompt
 
 
 def test_a_consumer_behind_the_engine_gets_coalesced_chunks_with_nothing_lost(
-    replica, prompt, reference
+    replica, prompt, reference, monkeypatch
 ):
     """Chunks the engine produced while the consumer was busy go out as one chunk: the same
     token ids, texts, token texts and step timings as one chunk per token, fewer messages."""
     req = request(prompt, greedy(), token_texts=True)
+    # Counted, not timed: the engine's second step waits until the consumer has the first
+    # chunk, and after each chunk the consumer waits until the engine is three steps ahead
+    stepping = Stepping(replica.engine.engine, monkeypatch)
+    took_first = stepping.hold_before(2)
 
     async def slow():
-        chunks = []
+        chunks, received = [], 0
         async for chunk in replica.generate(req):
             chunks.append(chunk)
-            await asyncio.sleep(0.1)
+            took_first.set()
+            received += len(chunk.choices[0].token_ids) if chunk.choices else 0
+            await asyncio.to_thread(stepping.wait_for, min(received + 3, 32))
         return chunks
 
     chunks = asyncio.run(slow())
@@ -542,9 +551,7 @@ def test_stream_interval_sends_that_many_tokens_a_chunk_with_nothing_lost(
     # A consumer that falls behind the engine gets consecutive steps' tokens in one chunk (by
     # design: process_all), which on a loaded machine merged the first chunk with the next
     # five. Steps 20 ms apart keep the consumer ahead, so the chunk sizes are the interval's.
-    engine = replica.engine.engine
-    step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: time.sleep(0.02) or step())
+    Stepping(replica.engine.engine, monkeypatch, pace_s=0.02)
     req = request(prompt, greedy(), token_texts=True, stream_interval=5)
     chunks = collect(replica, req) if path == "ray" else through_token_socket(replica, req)[0]
     assert [len(ch.choices[0].token_ids) for ch in chunks] == [1, 5, 5, 5, 5, 5, 5, 1]
@@ -567,11 +574,17 @@ def test_tokens_held_by_stream_interval_come_before_an_engine_failure(
 
     req = request(prompt, greedy(LONG), stream_interval=10_000)
     outputs, process = 0, OutputProcessor.process
+    # the second step waits until the first token's output was made a chunk: the first chunk
+    # is that token alone however far a fast engine could have run ahead of the consumer
+    first_processed = Stepping(replica.engine.engine, monkeypatch).hold_before(2)
 
     def counted(self, output):
         nonlocal outputs
         outputs += self.req.request_id == req.request_id
-        return process(self, output)
+        chunk = process(self, output)
+        if outputs >= 1:
+            first_processed.set()
+        return chunk
 
     monkeypatch.setattr(OutputProcessor, "process", counted)
 

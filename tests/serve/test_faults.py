@@ -24,8 +24,6 @@ from serve_helpers import (
     stream_until_fault,
 )
 
-pytestmark = pytest.mark.slow
-
 FAULT_ARGS = copy.deepcopy(SERVE_TEST_ARGS)
 FAULT_ARGS.pop("EmbeddingConfig")
 FAULT_ARGS["BackendConfig"]["tokenizerProcessNumber"] = 2

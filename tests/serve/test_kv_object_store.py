@@ -13,8 +13,6 @@ from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.params import SamplingParams
 from serve_app.messages import DecodeRequest, ReplicaRequest
 
-pytestmark = pytest.mark.slow
-
 
 def _payload(num_tokens: int = 6) -> KVPayload:
     gen = torch.Generator().manual_seed(0)

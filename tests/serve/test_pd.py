@@ -35,8 +35,6 @@ from serve_helpers import (
     stream_until_fault,
 )
 
-pytestmark = pytest.mark.slow
-
 PROMPTS = [
     [5618, 19678, 701, 9072, 13],
     [9707, 11, 1879, 0],
@@ -281,7 +279,7 @@ def test_disconnect_during_decode_frees_both_sides(long_server, kv_idle_http, pd
     assert kv_idle_http()
 
 
-def test_stop_infer_and_timeout_free_both_sides(long_server, http, kv_idle_http, pd_s_per_token):
+def test_stop_infer_frees_both_sides(long_server, http, kv_idle_http, pd_s_per_token):
     body = {"id": "pd-stop", "text_input": "go",
             "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0,
                            "details": True}}  # fmt: skip
@@ -294,8 +292,42 @@ def test_stop_infer_and_timeout_free_both_sides(long_server, http, kv_idle_http,
     assert_freed_early(both_sides_idle, stopped_at, left, pd_s_per_token)
     assert kv_idle_http()
     assert http.post("/v2/models/demo/stopInfer", json={"id": "pd-stop"}).status_code == 404
-    r = http.post("/infer", json={"inputs": "x", "parameters": {
-        "max_new_tokens": LONG_MAX_TOKENS, "do_sample": False, "timeout": 0.01}})  # fmt: skip
+
+
+def _first_token_s(url: str) -> float:
+    """Seconds from sending a PD request to its first token (the prefill and the hand-off)."""
+    body = {"inputs": "x", "stream": True, "parameters": {"max_new_tokens": 2}}
+    start = time.monotonic()
+    with httpx.Client(base_url=url, timeout=60) as c:
+        with c.stream("POST", "/infer", json=body) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+            return time.monotonic() - start
+
+
+def test_a_timeout_during_decode_frees_both_sides(long_server, http, kv_idle_http, pd_s_per_token):
+    """The request's timeout runs out while the decode replica generates: a timeout long enough
+    for the prefill, the hand-off and some decode steps (measured here, so on any machine), far
+    shorter than the request's whole length."""
+    timeout = round(3 * _first_token_s(long_server) + 20 * pd_s_per_token, 3)
+    assert timeout < LONG_MAX_TOKENS * pd_s_per_token / 4, "make the request longer"
+    body = {"inputs": "x", "stream": True, "parameters": {
+        "max_new_tokens": LONG_MAX_TOKENS, "do_sample": False, "timeout": timeout}}  # fmt: skip
+    events = []
+    with httpx.Client(base_url=long_server, timeout=60) as c:
+        with c.stream("POST", "/infer", json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+    timed_out_at = time.monotonic()
+    tokens = [e for e in events if "error" not in e]
+    assert len(tokens) >= 2, events  # the decode replica was generating when time ran out
+    assert (
+        events[-1]["error_type"] == "Incomplete Generation" and "timed out" in events[-1]["error"]
+    )
+    assert_freed_early(both_sides_idle, timed_out_at, LONG_MAX_TOKENS - len(tokens), pd_s_per_token)
+    assert kv_idle_http()
+    # the same without a stream: a 500 once the time is out, both sides freed
+    body["stream"] = False
+    r = http.post("/infer", json=body)
     timed_out_at = time.monotonic()
     assert r.status_code == 500 and r.json()["error_type"] == "Incomplete Generation"
     assert_freed_early(both_sides_idle, timed_out_at, LONG_MAX_TOKENS, pd_s_per_token)

@@ -12,9 +12,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import SERVE_TEST_ARGS, deploy, engine_processes
-
-pytestmark = pytest.mark.slow
+from serve_helpers import LONG_MAX_TOKENS, SERVE_TEST_ARGS, deploy, engine_processes
 
 MODELS = ("demo", "demo-b")
 ARGS = copy.deepcopy(SERVE_TEST_ARGS)
@@ -26,6 +24,10 @@ ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
     for name in MODELS
 ]
 ARGS["Deployments"] = {"Ingress": {"num_replicas": 2}, "ModelReplica": {"num_replicas": 2}}
+# a greedy request of LONG_MAX_TOKENS runs for seconds on any machine: a stop sent after its first
+# event ends it long before its end
+ARGS["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 4096
+ARGS["BackendConfig"]["ScheduleConfig"].update(maxIterTimes=LONG_MAX_TOKENS, kvCacheBlocks=1024)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,11 @@ def test_stop_infer_reaches_its_request_from_either_ingress_replica(app):
             body = {
                 "id": request_id,
                 "text_input": "count",
-                "parameters": {"max_new_tokens": 64, "details": True},
+                "parameters": {
+                    "max_new_tokens": LONG_MAX_TOKENS,
+                    "temperature": 0,
+                    "details": True,
+                },
             }
             with client.stream("POST", "/v2/models/demo/generate_stream", json=body) as stream:
                 assert stream.status_code == 200
@@ -98,7 +104,7 @@ def test_stop_infer_reaches_its_request_from_either_ingress_replica(app):
             final = events[-1]
             # ended by the stop (MindIE reports a stopped request as stop_sequence), early
             assert final["details"]["finish_reason"] == "stop_sequence"
-            assert final["details"]["generated_tokens"] < 64
+            assert final["details"]["generated_tokens"] < LONG_MAX_TOKENS // 10
         # an id nobody runs is unknown on every replica
         unknown = client.post("/v2/models/demo/stopInfer", json={"id": "nobody"})
         assert unknown.status_code == 404

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -23,8 +24,6 @@ from serve_helpers import (
     seconds_per_token,
     stop_infer_mid_stream,
 )
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -395,18 +394,23 @@ def _stats_or_why() -> dict | str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def test_a_minute_of_mixed_traffic_leaves_the_server_idle(server):
-    """A 60-second soak (bench/soak.py's traffic): every family, streams and not, with client
+# The soak's length: 20 s in the suite; SERVE_APP_SOAK_S=600 makes it a real soak (bench/soak.py
+# runs the same traffic on its own for longer still).
+SOAK_S = float(os.environ.get("SERVE_APP_SOAK_S", "20"))
+
+
+def test_mixed_traffic_leaves_the_server_idle(server):
+    """A soak (bench/soak.py's traffic, SOAK_S long): every family, streams and not, with client
     disconnects, server and client timeouts and stopInfer calls; afterwards nothing runs or
     waits, the KV cache is empty and the replicas' resident memory has not grown."""
-    asyncio.run(soak(server, duration_s=10, clients=8, seed=1))  # warm-up
+    asyncio.run(soak(server, duration_s=5, clients=8, seed=1))  # warm-up
     settle(server)
     before = replica_rss_mb()
-    result = asyncio.run(soak(server, duration_s=60, clients=8, seed=0))
+    result = asyncio.run(soak(server, duration_s=SOAK_S, clients=8, seed=0))
     assert result["num_errors"] == 0, result["errors"]
     assert set(result["by_fate"]) == {"complete", "disconnect", "server_timeout",
                                       "client_timeout", "stop"}  # fmt: skip
-    assert "embeddings" in result["by_family"] and result["requests"] > 100
+    assert "embeddings" in result["by_family"] and result["requests"] > 1.5 * SOAK_S
     idle = settle(server)
     # the replica's own counters next to the ingress's gauges: a request the engine still
     # holds, or a stale gauge
