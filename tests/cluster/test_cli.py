@@ -1,7 +1,8 @@
-"""The README's Ray CLI commands, run as a user runs them: `serve run deployments.yaml`, and on a
+"""The README's commands, run as a user runs them: `make serve` (`python -m serve_app`), and on a
 started cluster `ray start --head`, `serve deploy deployments-pd.yaml`, `serve status`, `serve
-shutdown`. Each starts Ray of its own in a subprocess (its own process group, stopped by id at
-the end), on a copy of the YAML that differs only in a free HTTP port. Slow: a few minutes in all.
+shutdown`, `serve run deployments.yaml`. Each test starts Ray of its own in a subprocess (its own
+process group, stopped by id at the end), on copies of the YAMLs that differ only in a free HTTP
+port. Slow: a few minutes in all.
 """
 
 from __future__ import annotations
@@ -126,34 +127,22 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:] if log.exists() else ""
 
 
-def test_serve_run_starts_the_yaml_and_answers(tmp_path):
-    config, base = _config_copy("deployments.yaml", tmp_path)
-    log = tmp_path / "serve-run.log"
-    # RAY_ADDRESS=local: a Ray of its own even when another cluster runs on this machine (by
-    # default `serve run` joins the latest one started here)
-    process = _start([str(BIN / "serve"), "run", str(config)], _env(RAY_ADDRESS="local"), log)
-    try:
-        _wait_ready(base, process)
-        _answers(base)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n--- serve run output ---\n{_tail(log)}") from None
-    finally:
-        _stop(process)
-
-
-def test_ray_start_then_serve_deploy_status_shutdown(tmp_path):
+def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
     """The README's cluster path: with RAY_AUTH_MODE=token exported (Ray 2.60's `ray start`
-    turns token auth on; its CLI sends the token only in that mode). It deploys the PD file:
-    each shipped YAML is started by one of the two commands (either takes either)."""
+    turns token auth on; its CLI sends the token only in that mode), `serve deploy` of the PD
+    file, `serve status`, `serve shutdown`; then `serve run deployments.yaml` on the same
+    cluster, stopped by Ctrl-C. Each shipped YAML is started by one of the commands (either
+    takes either); one Ray start for both, as Ray's start-up is most of each command's cost."""
     config, base = _config_copy("deployments-pd.yaml", tmp_path)
     dashboard = f"http://127.0.0.1:{_free_port()}"
+    gcs = f"127.0.0.1:{_free_port()}"
     env = _env(RAY_AUTH_MODE="token")
     log = tmp_path / "ray-start.log"
     ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     head = _start(
         [
             str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2",
-            f"--port={_free_port()}", "--dashboard-host=127.0.0.1",
+            f"--port={gcs.rsplit(':', 1)[1]}", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard.rsplit(':', 1)[1]}",
             f"--temp-dir={ray_dir}",  # short: Ray's socket paths must fit 107 bytes
         ],
@@ -167,22 +156,34 @@ def test_ray_start_then_serve_deploy_status_shutdown(tmp_path):
         )  # fmt: skip
 
     try:
-        deadline = time.monotonic() + 120
-        while (deployed := serve("deploy", str(config))).returncode != 0:
-            assert time.monotonic() < deadline and head.poll() is None, deployed.stderr[-2000:]
-            time.sleep(2)  # the dashboard is still starting
-        _wait_ready(base)
-        status = serve("status")
-        assert status.returncode == 0 and "RUNNING" in status.stdout, status.stderr[-2000:]
-        _answers(base)
-        down = serve("shutdown", "-y")
-        assert down.returncode == 0, down.stderr[-2000:]
-        deadline = time.monotonic() + 60
-        while _get(f"{base}/health") == 200:  # the app goes away
-            assert time.monotonic() < deadline, "the app still answers after serve shutdown"
-            time.sleep(1)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n--- ray start output ---\n{_tail(log)}") from None
+        try:
+            deadline = time.monotonic() + 120
+            while (deployed := serve("deploy", str(config))).returncode != 0:
+                assert time.monotonic() < deadline and head.poll() is None, deployed.stderr[-2000:]
+                time.sleep(2)  # the dashboard is still starting
+            _wait_ready(base)
+            status = serve("status")
+            assert status.returncode == 0 and "RUNNING" in status.stdout, status.stderr[-2000:]
+            _answers(base)
+            down = serve("shutdown", "-y")
+            assert down.returncode == 0, down.stderr[-2000:]
+            deadline = time.monotonic() + 60
+            while _get(f"{base}/health") == 200:  # the app goes away
+                assert time.monotonic() < deadline, "the app still answers after serve shutdown"
+                time.sleep(1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- ray start output ---\n{_tail(log)}") from None
+        run_config, run_base = _config_copy("deployments.yaml", tmp_path)
+        run_log = tmp_path / "serve-run.log"
+        run_env = _env(RAY_AUTH_MODE="token", RAY_ADDRESS=gcs)
+        run = _start([str(BIN / "serve"), "run", str(run_config)], run_env, run_log)
+        try:
+            _wait_ready(run_base, run)
+            _answers(run_base)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- serve run output ---\n{_tail(run_log)}") from None
+        finally:
+            _stop(run)
     finally:
         # `ray start --block` takes ~30 s to wind down on SIGTERM; what is left of its process
         # group after 5 s is killed (its workers exit with the raylet)
@@ -323,10 +324,17 @@ def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp
 
 def test_make_serve_quits_on_sigterm(tmp_path):
     """SIGTERM (`kill`, a service manager's stop) stops it as Ctrl-C does, leaving nothing.
-    On the random demo model without embeddings: the stop is what is tested."""
+    On the smallest app (demo-tiny, its engine in the replica, no embeddings): the stop, with
+    an engine process and an embedding replica among what it stops, is the test above's."""
     config, base = _config_copy("bench/demo.yaml", tmp_path)
     spec = yaml.safe_load(config.read_text())
-    spec["applications"][0]["args"].pop("EmbeddingConfig", None)
+    args = spec["applications"][0]["args"]
+    args.pop("EmbeddingConfig", None)
+    (model,) = args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
+    model.update(
+        modelWeightPath="demo-tiny", engineProcess=False, engineCpus="", engineSpareCpus=""
+    )
+    args["BackendConfig"]["ScheduleConfig"]["kvCacheBlocks"] = 64
     config.write_text(yaml.safe_dump(spec, sort_keys=False))
     process, log, marker = _serve_command(config, tmp_path, "sigterm")
     try:

@@ -4,7 +4,7 @@ pool, engine) in process. Every answer must be a success or a client error in it
 shape; the only 5xx allowed is a generation that ran out of its own (fuzzed) timeout, which
 MindIE and Databricks answer as 500 Incomplete Generation / 504.
 
-SERVE_APP_FUZZ_EXAMPLES sets the cases per route (default 40 here; a few hundred for a long run).
+SERVE_APP_FUZZ_EXAMPLES sets the cases per route (default 15 here; a few hundred for a long run).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 
 from tests.ingress.conftest import in_family_envelope
 
-EXAMPLES = int(os.environ.get("SERVE_APP_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("SERVE_APP_FUZZ_EXAMPLES", "15"))
 
 
 def _operations(app) -> list:
