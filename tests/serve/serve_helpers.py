@@ -57,6 +57,7 @@ def deploy(cluster, args: dict) -> str:
 
     serve.run(build_app(args), name="serve_app", route_prefix="/")
     url = f"http://127.0.0.1:{cluster.port}"
+    _NOT_BACK.discard(url)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -200,8 +201,15 @@ def stream_until_fault(
     return events, time.monotonic() - faulted_at
 
 
+# Apps that did not come back after a fault: the tests after the failing one fail at once
+# instead of each waiting BACK_WITHIN_S again (a new deploy of the URL clears it).
+_NOT_BACK: set[str] = set()
+
+
 def serves_again(url: str) -> None:
     """Ready again and a request succeeds, within BACK_WITHIN_S."""
+    if url in _NOT_BACK:
+        pytest.fail("the app did not serve again after an earlier fault in this module")
     deadline = time.monotonic() + BACK_WITHIN_S
     body = {"model": "demo", "prompt": "hello", "max_tokens": 4}
     while time.monotonic() < deadline:
@@ -212,4 +220,5 @@ def serves_again(url: str) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(1)
+    _NOT_BACK.add(url)
     pytest.fail(f"the app did not serve again within {BACK_WITHIN_S:.0f} s")
