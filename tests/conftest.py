@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+from tests.processes import carrying
+
 # Test files (paths from the repository root) that start or join a Ray instance: one unit, run
 # first, on one worker, in file order. Ray's start-ups and replica loads take both cores of a
 # 2-core machine, so two Ray units side by side only slowed each other (and the tests that find
@@ -66,29 +68,6 @@ def pytest_configure(config):
     os.environ[TEST_RUN_ENV] = f"{os.getpid()}-{time.time_ns()}"
 
 
-def _started_by_this_run() -> dict[int, str]:
-    """pid -> command line of the live processes carrying this run's marker (this one aside;
-    multiprocessing's resource tracker, which lives as long as this process, too)."""
-    needle = f"{TEST_RUN_ENV}={os.environ[TEST_RUN_ENV]}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if not zombie and "multiprocessing.resource_tracker" not in command:
-            found[int(entry)] = command
-    return found
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_process_outlives_the_session():
     """Torn down after every other session fixture: what the tests started must be gone. What
@@ -97,7 +76,8 @@ def no_process_outlives_the_session():
     if not os.path.isdir("/proc"):
         return
     deadline = time.monotonic() + LEFTOVER_WAIT_S
-    while (left := _started_by_this_run()) and time.monotonic() < deadline:
+    marker = f"{TEST_RUN_ENV}={os.environ[TEST_RUN_ENV]}"
+    while (left := carrying(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in left:
         with contextlib.suppress(OSError):

@@ -52,8 +52,3 @@ class Stepping:
         """True once the engine has run `steps` steps in all (counted since the wrap)."""
         with self._changed:
             return self._changed.wait_for(lambda: self.steps >= steps, timeout_s)
-
-    def release_all(self) -> None:
-        for event in list(self._holds.values()):
-            event.set()
-        self._holds.clear()

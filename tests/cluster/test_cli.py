@@ -19,12 +19,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.serve.serve_helpers import assert_freed_early, seconds_per_token
+from tests.processes import carrying
+from tests.serve.serve_helpers import assert_freed_early, kv_idle, seconds_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -194,25 +196,6 @@ def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
 # -- `make serve`: python -m serve_app --------------------------------------------------------
 
 
-def _left_behind(marker: str) -> list[str]:
-    """Command lines of live processes whose environment carries marker (zombies aside)."""
-    needle = marker.encode()
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found.append(f.read().replace(b"\0", b" ").decode(errors="replace")[:200])
-        except OSError:
-            continue
-    return found
-
-
 def _serve_command(config: Path, tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path, str]:
     """`python -m serve_app config` as `make serve` runs it, with a variable of its own in its
     environment (and so in every process it starts) to find what it leaves behind."""
@@ -242,9 +225,9 @@ def _stops_on(process: subprocess.Popen, sig: int, marker: str, log: Path) -> No
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running 60 s after {signal.Signals(sig).name}:\n{_tail(log)}")
     deadline = time.monotonic() + 30  # Ray's workers exit shortly after its raylet
-    while (left := _left_behind(marker)) and time.monotonic() < deadline:
+    while (left := carrying(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, f"left behind after {signal.Signals(sig).name}: {left}"
+    assert not left, f"left behind after {signal.Signals(sig).name}: {list(left.values())}"
 
 
 def _metric(base: str, name: str) -> float:
@@ -282,15 +265,7 @@ def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp
             assert stream.readline().startswith(b"data: ")
         dropped_at = time.monotonic()
 
-        def idle(timeout_s: float) -> bool:
-            deadline = time.monotonic() + timeout_s
-            while _metric(base, "num_requests_running") or _metric(base, "npu_cache_usage_perc"):
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.1)
-            return True
-
-        assert_freed_early(idle, dropped_at, 511, s_per_token)
+        assert_freed_early(partial(kv_idle, base), dropped_at, 511, s_per_token)
         # stopInfer ends a running request by its id
         stopped: dict = {}
 

@@ -8,11 +8,12 @@ CPU). test_serve_app.py deploys the colocated app, test_pd.py the PD one (one re
 
 from __future__ import annotations
 
+import functools
 import socket
-import time
 
 import httpx
 import pytest
+from serve_helpers import kv_idle
 
 
 def _free_port() -> int:
@@ -53,20 +54,5 @@ def http(server):  # each module's `server` fixture: the base URL of the app it 
 
 @pytest.fixture
 def kv_idle_http(http):
-    """A callable: True once the replica reports no running request and no used KV block."""
-
-    def check(timeout_s: float = 5.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            text = http.get("/metrics").text
-            values = {
-                line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith(("num_requests_running{", "npu_cache_usage_perc{"))
-            }
-            if values.get("num_requests_running") == 0 and values.get("npu_cache_usage_perc") == 0:
-                return True
-            time.sleep(0.1)
-        return False
-
-    return check
+    """A callable: True once the replicas report no running request and no used KV block."""
+    return functools.partial(kv_idle, str(http.base_url).rstrip("/"))

@@ -112,6 +112,23 @@ def seconds_per_token(url: str, num_tokens: int = 128) -> float:
     return (times[-1] - times[0]) / (num_tokens - 1)
 
 
+def kv_idle(url: str, timeout_s: float = 5.0) -> bool:
+    """True once the app's /metrics shows, for every model, no running request and no used KV
+    block (polled)."""
+    names = ("num_requests_running{", "npu_cache_usage_perc{")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values: dict[str, list[float]] = {}
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(names):
+                values.setdefault(line.split("{")[0], []).append(float(line.rsplit(" ", 1)[1]))
+        if len(values) == len(names) and not any(any(v) for v in values.values()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 def assert_freed_early(idle, hung_up_at: float, tokens_left: int, s_per_token: float) -> None:
     """Asserts that the KV pool went idle (idle(timeout_s) -> bool, polled with a generous
     deadline) well before a request with tokens_left still to generate could have ended by
