@@ -22,11 +22,12 @@ import json
 import math
 import re
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from serve_app.models.cache import build_atomically, ensure_built, log
+
+if TYPE_CHECKING:  # torch is imported where the weights are built: finding the built model,
+    import torch  # as a tokenizer replica does, must not load it
 
 DEMO_VARIANTS = ("demo", "demo-tiny", "demo-1b")
 FORMAT_VERSION = 1  # bump when the builder's output changes, so caches rebuild
@@ -109,6 +110,8 @@ def _write_tokenizer(out: Path, ranks: dict[bytes, int]) -> None:
 
 def _successors(ranks: dict[bytes, int], gen: torch.Generator) -> torch.Tensor:
     """succ[token] for every token id; specials borrow the successor of a regular token."""
+    import torch
+
     classes = torch.empty(_NUM_RANKS, dtype=torch.long)
     for token, rank in ranks.items():
         fragment = "\ufffd" in token.decode("utf-8", errors="replace")
@@ -121,6 +124,8 @@ def _successors(ranks: dict[bytes, int], gen: torch.Generator) -> torch.Tensor:
 
 
 def _weights(cfg: dict, ranks: dict[bytes, int], seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     d, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -211,6 +216,8 @@ def build_demo_model(out_dir: str | Path, variant: str = "demo") -> Path:
         raise ValueError(f"unknown demo variant {variant!r}; expected one of {DEMO_VARIANTS}")
 
     def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
         _log(f"building {variant} ...")
         ranks = _bpe_ranks()
         _log("converting tokenizer ...")

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from serve_app.models import minilm, smollm2
 from serve_app.models.demo import DEMO_VARIANTS, ensure_demo_model
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 

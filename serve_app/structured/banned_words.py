@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from serve_app.engine.constraint import ConstraintContext
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,8 @@ class BannedWordsState:
     min_output_tokens = 0
 
     def __init__(self, sequences: tuple[tuple[int, ...], ...]) -> None:
+        import torch  # here, not at the top: the ingress builds the spec and must not load torch
+
         singles = sorted({s[0] for s in sequences if len(s) == 1})
         self._singles = torch.tensor(singles, dtype=torch.long)
         self._longer = [(s[:-1], s[-1]) for s in sequences if len(s) > 1]
