@@ -24,6 +24,13 @@ from tests.processes import carrying
 # 2-core machine, so two Ray units side by side only slowed each other (and the tests that find
 # Ray's processes by name would see the other unit's).
 RAY_TESTS = ("tests/serve/", "tests/cluster/test_cli.py", "tests/disagg/test_connector.py")
+# The Ray unit's files in this order (the others after them): the CLI's own clusters before the
+# serve tests' cluster starts; test_faults.py breaks the app that test_serve_app.py deployed and
+# leaves running for it (one deploy for both).
+RAY_ORDER = (
+    "tests/cluster/test_cli.py", "tests/disagg/test_connector.py",
+    "tests/serve/test_serve_app.py", "tests/serve/test_faults.py",
+)  # fmt: skip
 # The heaviest test files without Ray (model parity on whole models, engine processes, the
 # benches' own servers): left out of `make test-fast` with RAY_TESTS (marker `slow`).
 SLOW_TESTS = (
@@ -93,6 +100,12 @@ RAY_TEST_TIMEOUT_S = 600
 
 
 def pytest_collection_modifyitems(config, items):
+    def ray_rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return RAY_ORDER.index(path) if path in RAY_ORDER else len(RAY_ORDER)
+
+    ray = sorted((item for item in items if item.nodeid.startswith(RAY_TESTS)), key=ray_rank)
+    items[:] = ray + [item for item in items if not item.nodeid.startswith(RAY_TESTS)]
     for item in items:
         if item.nodeid.startswith(RAY_TESTS):
             item.add_marker(pytest.mark.ray)

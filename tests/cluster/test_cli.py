@@ -1,8 +1,9 @@
-"""The README's commands, run as a user runs them: `make serve` (`python -m serve_app`), and on a
-started cluster `ray start --head`, `serve deploy deployments-pd.yaml`, `serve status`, `serve
-shutdown`, `serve run deployments.yaml`. Each test starts Ray of its own in a subprocess (its own
-process group, stopped by id at the end), on copies of the YAMLs that differ only in a free HTTP
-port. Slow: a few minutes in all.
+"""The README's commands, run as a user runs them: `make serve` (`python -m serve_app
+deployments.yaml`), and on a started cluster `ray start --head`, `serve deploy
+deployments-pd.yaml`, `serve status`, `serve shutdown`, `serve run`. Each test starts Ray of its
+own in a subprocess (its own process group, stopped by id at the end), on copies of the YAMLs
+that differ only in a free HTTP port, or, where a test is about how a command starts and stops,
+also in the model (demo-tiny). Slow: a few minutes in all.
 """
 
 from __future__ import annotations
@@ -132,9 +133,9 @@ def _tail(log: Path) -> str:
 def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
     """The README's cluster path: with RAY_AUTH_MODE=token exported (Ray 2.60's `ray start`
     turns token auth on; its CLI sends the token only in that mode), `serve deploy` of the PD
-    file, `serve status`, `serve shutdown`; then `serve run deployments.yaml` on the same
-    cluster, stopped by Ctrl-C. Each shipped YAML is started by one of the commands (either
-    takes either); one Ray start for both, as Ray's start-up is most of each command's cost."""
+    file, `serve status`, `serve shutdown`; then `serve run` on the same cluster, stopped by
+    Ctrl-C (on the smallest app: deployments.yaml is the `make serve` test's); one Ray start
+    for both."""
     config, base = _config_copy("deployments-pd.yaml", tmp_path)
     dashboard = f"http://127.0.0.1:{_free_port()}"
     gcs = f"127.0.0.1:{_free_port()}"
@@ -175,7 +176,7 @@ def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
                 time.sleep(1)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- ray start output ---\n{_tail(log)}") from None
-        run_config, run_base = _config_copy("deployments.yaml", tmp_path)
+        run_config, run_base = _small_config(tmp_path)
         run_log = tmp_path / "serve-run.log"
         run_env = _env(RAY_AUTH_MODE="token", RAY_ADDRESS=gcs)
         run = _start([str(BIN / "serve"), "run", str(run_config)], run_env, run_log)
@@ -297,10 +298,10 @@ def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp
         _stop(process)
 
 
-def test_make_serve_quits_on_sigterm(tmp_path):
-    """SIGTERM (`kill`, a service manager's stop) stops it as Ctrl-C does, leaving nothing.
-    On the smallest app (demo-tiny, its engine in the replica, no embeddings): the stop, with
-    an engine process and an embedding replica among what it stops, is the test above's."""
+def _small_config(tmp_path: Path) -> tuple[Path, str]:
+    """bench/demo.yaml on the smallest app (demo-tiny, its engine in the replica, no
+    embeddings), for the commands whose subject is how they start and stop, not what they
+    serve: deployments.yaml itself is served whole by the `make serve` test."""
     config, base = _config_copy("bench/demo.yaml", tmp_path)
     spec = yaml.safe_load(config.read_text())
     args = spec["applications"][0]["args"]
@@ -311,6 +312,14 @@ def test_make_serve_quits_on_sigterm(tmp_path):
     )
     args["BackendConfig"]["ScheduleConfig"]["kvCacheBlocks"] = 64
     config.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return config, base
+
+
+def test_make_serve_quits_on_sigterm(tmp_path):
+    """SIGTERM (`kill`, a service manager's stop) stops it as Ctrl-C does, leaving nothing.
+    On the smallest app: the stop, with an engine process and an embedding replica among what
+    it stops, is the test above's."""
+    config, base = _small_config(tmp_path)
     process, log, marker = _serve_command(config, tmp_path, "sigterm")
     try:
         _wait_ready_line(process, log, base)

@@ -15,31 +15,22 @@ import pytest
 from serve_helpers import (
     BACK_WITHIN_S,
     ERROR_WITHIN_S,
-    SERVE_TEST_ARGS,
+    SERVE_LONG_ARGS,
     actors,
     deploy,
     engine_processes,
+    forget_deployed,
     kill,
     serves_again,
     stream_until_fault,
 )
 
-FAULT_ARGS = copy.deepcopy(SERVE_TEST_ARGS)
-FAULT_ARGS.pop("EmbeddingConfig")
-FAULT_ARGS["BackendConfig"]["tokenizerProcessNumber"] = 2
-FAULT_ARGS["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 8192
-FAULT_ARGS["BackendConfig"]["ScheduleConfig"].update(maxIterTimes=4096, kvCacheBlocks=1024)
-# Serve notices a replica whose engine died at its next health check: every second here, not
-# the default 10 s, so the replacement test does not sit out the period
-FAULT_ARGS["Deployments"] = {"ModelReplica": {"health_check_period_s": 1}}
-
 
 @pytest.fixture(scope="module")
 def app(cluster):
-    from ray import serve
-
-    yield deploy(cluster, FAULT_ARGS)
-    serve.delete("serve_app")
+    """test_serve_app.py's app (SERVE_LONG_ARGS: two tokenizer replicas, a health check every
+    second), deployed there before these tests break it."""
+    return deploy(cluster, SERVE_LONG_ARGS)
 
 
 def test_a_model_replica_killed_mid_stream_ends_the_stream_and_is_replaced(app):
@@ -91,8 +82,10 @@ def test_ready_is_503_while_a_model_replica_cannot_be_placed_then_200(cluster):
 
     from serve_app.app import build_app
 
-    args = copy.deepcopy(FAULT_ARGS)
-    args["Deployments"] = {"ModelReplica": {"ray_actor_options": {"resources": {"LATE": 1}}}}
+    args = copy.deepcopy(SERVE_LONG_ARGS)
+    args.pop("EmbeddingConfig")  # not needed to show readiness: one replica less to start
+    args["Deployments"]["ModelReplica"]["ray_actor_options"] = {"resources": {"LATE": 1}}
+    forget_deployed()
     # serve.run returns once the app runs, which needs the node added below: in a thread
     deploying = threading.Thread(
         target=serve.run, args=(build_app(args),), kwargs={"name": "serve_app"}, daemon=True

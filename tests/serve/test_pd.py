@@ -24,7 +24,6 @@ from serve_helpers import (
     LONG_MAX_TOKENS,
     PD_ARGS,
     PD_LONG_ARGS,
-    PD_MAX_ITER,
     actors,
     assert_freed_early,
     deploy,
@@ -45,9 +44,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server(cluster):
+    """The PD app, with maxIterTimes LONG_MAX_TOKENS (PD_LONG_ARGS): a request ended early
+    (client gone, stopInfer, timeout) is shown to free its KV blocks long before it could have
+    ended by itself."""
     from ray import serve
 
-    yield deploy(cluster, PD_ARGS)
+    yield deploy(cluster, PD_LONG_ARGS)
     serve.delete("serve_app")
 
 
@@ -127,7 +129,7 @@ def test_token_count_rules(http):
     # the limit comes from maxIterTimes: decode runs maxIterTimes steps after prefill's token
     body = {"model": "demo", "prompt": "count with me", "temperature": 0}
     usage = http.post("/v1/completions", json=body).json()["usage"]
-    assert usage["completion_tokens"] == PD_MAX_ITER + 1
+    assert usage["completion_tokens"] == LONG_MAX_TOKENS + 1
     # a smaller max_tokens is exact, and the stream's last event counts both sides
     usage = http.post("/v1/completions", json={**body, "max_tokens": 5}).json()["usage"]
     assert usage["completion_tokens"] == 5
@@ -188,35 +190,13 @@ def test_databricks_family_under_pd(http, kv_idle_http):
     assert kv_idle_http()
 
 
-# -- what ends a request early, on the PD app with long limits (these tests come last) ---------
+# -- what ends a request early (the app's long limits make that visible), then faults ----------
 
 
 @pytest.fixture(scope="module")
-def long_server(server, cluster):
-    """The PD app again, with maxIterTimes LONG_MAX_TOKENS (PD_LONG_ARGS), in place of the
-    module's app (PD_ARGS' maxIterTimes 64 is what test_token_count_rules counts): so that a
-    request ended early (client gone, stopInfer, timeout) is shown to free its KV blocks long
-    before it could have ended by itself. It replaces the app for the rest of the module, so
-    only the tests at the end of this module use it."""
-    url = deploy(cluster, PD_LONG_ARGS)
-    assert url == server  # same proxy: `http` and `kv_idle_http` now reach this app
-    # This process's handles were used on the replaced app: make sure both roles answer from
-    # the long app's replicas (their pool size tells them apart) before the tests ask them.
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if all(s["num_blocks"] == LONG_KV_BLOCKS for s in _role_stats().values()):
-                return url
-        except Exception:  # a replaced replica going away under the call
-            pass
-        assert time.monotonic() < deadline, "the handles still reach the replaced replicas"
-        time.sleep(0.2)
-
-
-@pytest.fixture(scope="module")
-def pd_s_per_token(long_server):
+def pd_s_per_token(server):
     """Seconds per token of an unaborted greedy PD request (the abort tests' yardstick)."""
-    return seconds_per_token(long_server)
+    return seconds_per_token(server)
 
 
 ROLES = ("PrefillReplica", "DecodeReplica")
@@ -255,10 +235,10 @@ def both_sides_idle(timeout_s: float = 10.0, roles: tuple[str, ...] = ROLES) -> 
         time.sleep(0.1)
 
 
-def test_disconnect_during_decode_frees_both_sides(long_server, kv_idle_http, pd_s_per_token):
+def test_disconnect_during_decode_frees_both_sides(server, kv_idle_http, pd_s_per_token):
     body = {"inputs": "a long story", "stream": True,
             "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "do_sample": False}}  # fmt: skip
-    with httpx.Client(base_url=long_server, timeout=60) as c:
+    with httpx.Client(base_url=server, timeout=60) as c:
         with c.stream("POST", "/infer", json=body) as r:
             assert r.status_code == 200
             seen, decode = 0, None
@@ -279,12 +259,12 @@ def test_disconnect_during_decode_frees_both_sides(long_server, kv_idle_http, pd
     assert kv_idle_http()
 
 
-def test_stop_infer_frees_both_sides(long_server, http, kv_idle_http, pd_s_per_token):
+def test_stop_infer_frees_both_sides(server, http, kv_idle_http, pd_s_per_token):
     body = {"id": "pd-stop", "text_input": "go",
             "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0,
                            "details": True}}  # fmt: skip
     # stopped after the prefill's token and two of the decode's
-    events, stopped_at = stop_infer_mid_stream(long_server, http, "pd-stop", body, 3)
+    events, stopped_at = stop_infer_mid_stream(server, http, "pd-stop", body, 3)
     details = events[-1]["details"]  # the stream ended early, as stopped
     assert details["finish_reason"] == "stop_sequence"
     assert 3 <= details["generated_tokens"] < LONG_MAX_TOKENS
@@ -304,16 +284,16 @@ def _first_token_s(url: str) -> float:
             return time.monotonic() - start
 
 
-def test_a_timeout_during_decode_frees_both_sides(long_server, http, kv_idle_http, pd_s_per_token):
+def test_a_timeout_during_decode_frees_both_sides(server, http, kv_idle_http, pd_s_per_token):
     """The request's timeout runs out while the decode replica generates: a timeout long enough
     for the prefill, the hand-off and some decode steps (measured here, so on any machine), far
     shorter than the request's whole length."""
-    timeout = round(3 * _first_token_s(long_server) + 20 * pd_s_per_token, 3)
+    timeout = round(3 * _first_token_s(server) + 20 * pd_s_per_token, 3)
     assert timeout < LONG_MAX_TOKENS * pd_s_per_token / 4, "make the request longer"
     body = {"inputs": "x", "stream": True, "parameters": {
         "max_new_tokens": LONG_MAX_TOKENS, "do_sample": False, "timeout": timeout}}  # fmt: skip
     events = []
-    with httpx.Client(base_url=long_server, timeout=60) as c:
+    with httpx.Client(base_url=server, timeout=60) as c:
         with c.stream("POST", "/infer", json=body) as r:
             assert r.status_code == 200
             events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
@@ -337,23 +317,23 @@ def test_a_timeout_during_decode_frees_both_sides(long_server, http, kv_idle_htt
 # -- faults, on the long app (last: they kill and replace its replicas) ------------------------
 
 
-def test_a_decode_replica_killed_mid_stream_ends_it_and_is_replaced(long_server):
+def test_a_decode_replica_killed_mid_stream_ends_it_and_is_replaced(server):
     (decode,) = actors("DecodeReplica")
     body = {**FAULT_STREAM, "max_tokens": LONG_MAX_TOKENS}
     # the first event is the prefill replica's token; the second comes from the decode replica
-    events, ended_s = stream_until_fault(long_server, lambda: kill(decode), after=2, body=body)
+    events, ended_s = stream_until_fault(server, lambda: kill(decode), after=2, body=body)
     assert ended_s < ERROR_WITHIN_S
     assert "a replica serving the request failed" in events[-1]["error"]["message"]
     assert both_sides_idle(roles=("PrefillReplica",))  # it holds nothing of the request
-    serves_again(long_server)
+    serves_again(server)
     assert [a["name"] for a in actors("DecodeReplica")] != [decode["name"]]
 
 
-def test_a_prefill_replica_killed_after_the_hand_off_does_not_lose_the_stream(long_server):
-    serves_again(long_server)
+def test_a_prefill_replica_killed_after_the_hand_off_does_not_lose_the_stream(server):
+    serves_again(server)
     (prefill,) = actors("PrefillReplica")
     body = {**FAULT_STREAM, "max_tokens": 300}
-    with httpx.Client(base_url=long_server, timeout=120) as client:
+    with httpx.Client(base_url=server, timeout=120) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             events = []
@@ -365,5 +345,5 @@ def test_a_prefill_replica_killed_after_the_hand_off_does_not_lose_the_stream(lo
     assert "error" not in events[-1], events[-1]
     assert events[-1]["usage"]["completion_tokens"] == 300
     assert both_sides_idle(roles=("DecodeReplica",))
-    serves_again(long_server)
+    serves_again(server)
     assert [a["name"] for a in actors("PrefillReplica")] != [prefill["name"]]

@@ -28,11 +28,8 @@ from serve_helpers import (
 
 @pytest.fixture(scope="module")
 def server(cluster):
-    """This module's colocated app: conftest's, with the long limits (no extra deploy)."""
-    from ray import serve
-
-    yield deploy(cluster, SERVE_LONG_ARGS)
-    serve.delete("serve_app")
+    """The colocated app with the long limits, left running for test_faults.py."""
+    return deploy(cluster, SERVE_LONG_ARGS)
 
 
 @pytest.fixture(scope="module")
