@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.ingress.conftest import LONG_MAX_TOKENS, idle_check
+from tests.stepping import Stepping
 
 INVOKE = "/serving-endpoints/demo/invocations"
 HI = [{"role": "user", "content": "hi"}]
@@ -249,8 +249,11 @@ PERSON = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("max_tokens", [24, 60])
-@pytest.mark.parametrize("path", [INVOKE, "/serving-endpoints/chat/completions"])
+# Each path once, and each budget once (24: close to the shortest output; 60: room to spare):
+# how the grammar closes the output within a budget is the engine's, the same under both paths.
+@pytest.mark.parametrize(
+    "path, max_tokens", [(INVOKE, 24), ("/serving-endpoints/chat/completions", 60)]
+)
 def test_json_schema_output_validates_even_from_the_random_model(client, path, max_tokens):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     body = {"model": "demo", "messages": HI, "max_tokens": max_tokens, "n": 2,
@@ -386,24 +389,32 @@ def short_timeout(monkeypatch):
     monkeypatch.setattr(databricks_completions.OnePrompt, "replica_request", with_timeout)
 
 
-def test_truncate_returns_what_a_timed_out_prompt_generated(long_client, short_timeout):
-    """On the long app: LONG_MAX_TOKENS tokens per prompt cannot be generated in the 0.3 s
-    timeout on any machine (64 could, on a fast one, and then nothing timed out)."""
-    body = {"prompt": ["a long story", "another"], "max_tokens": LONG_MAX_TOKENS,
-            "temperature": 0}  # fmt: skip
-    r = long_client.post(INVOKE, json=body)
+# The route app's maxIterTimes. With each engine step paced to at least PACE_S (tests/stepping.py)
+# a prompt of that many tokens takes 2.56 s, so it cannot end inside the 0.3 s timeout on any
+# machine (unpaced, it could on a fast one, and then nothing timed out).
+MAX_TOKENS, PACE_S = 64, 0.04
+
+
+def test_truncate_returns_what_a_timed_out_prompt_generated(
+    client, kv_idle, short_timeout, monkeypatch
+):
+    stepping = Stepping(client.app.state.replica.engine.engine, monkeypatch, pace_s=PACE_S)
+    body = {"prompt": ["a long story", "another"], "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = client.post(INVOKE, json=body)
     assert r.status_code == 504 and r.json()["error_code"] == "DEADLINE_EXCEEDED"
-    out = long_client.post(INVOKE, json={**body, "error_behavior": "truncate"}).json()
+    out = client.post(INVOKE, json={**body, "error_behavior": "truncate"}).json()
     assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
     generated = out["usage"]["completion_tokens"]
-    assert 0 < generated < 2 * LONG_MAX_TOKENS and out["usage"]["prompt_tokens"] > 2
+    assert 0 < generated < 2 * MAX_TOKENS and out["usage"]["prompt_tokens"] > 2
     assert all(c["text"] for c in out["choices"])
-    events = _events(long_client.post(INVOKE, json={**body, "error_behavior": "truncate",
-                                                    "stream": True}))  # fmt: skip
+    events = _events(client.post(INVOKE, json={**body, "error_behavior": "truncate",
+                                               "stream": True}))  # fmt: skip
     ends = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"]]
     assert sorted(c["index"] for c in ends) == [0, 1]
     assert {c["finish_reason"] for c in ends} == {"length"}
-    assert idle_check(long_client)()
+    # idle after fewer steps in all than one prompt's MAX_TOKENS: the timed-out prompts were
+    # aborted, not left to run to their end
+    assert kv_idle() and stepping.steps < MAX_TOKENS
 
 
 def test_json_nested_past_the_recursion_limit_is_bad_input(client):

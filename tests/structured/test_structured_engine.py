@@ -92,12 +92,14 @@ def _run(engine):
     return done
 
 
-def test_pd_hand_off_continues_the_grammar_as_colocated():
+def test_pd_hand_off_continues_the_grammar_as_colocated(llm):
     """The prefill engine plans for the whole output (its own cap is one token); the decode
     engine's fresh state accepts the prefill's first token and goes on: the same tokens as one
     colocated engine."""
-    colocated, prefill = (LLMEngine(EngineConfig(**BASE)) for _ in range(2))
-    decode = colocated  # idle again once its own run is over
+    # the module's engine is the colocated one, then the decode (idle again after each run); the
+    # prefill is an engine of its own, with a pool of its own (the one prompt needs one block)
+    colocated = decode = llm.engine
+    prefill = LLMEngine(EngineConfig(**{**BASE, "num_kv_blocks": 4}))
     params = sampled(json_schema(SCHEMAS["person"]), 40, seed=5, n=1)
     colocated.add_request(EngineRequest("c", CHAT, params))
     expected = _run(colocated)["c"].outputs[0].token_ids
@@ -144,10 +146,11 @@ WIDE_ITEM = {
 GROWING = {"type": "array", "items": WIDE_ITEM}
 
 
+# 160: just room for one item (the shortest one-item array takes 160 tokens), not for a second;
+# 300: past the engine's maxIterTimes (256), which is then the budget the state must close in
 @pytest.mark.parametrize("max_tokens", [160, 300])
 def test_a_token_that_opens_a_long_item_is_held_back_near_the_end(llm, max_tokens):
-    params = [sampled(json_schema(GROWING), max_tokens, seed) for seed in range(2)]
-    outputs = llm.generate([CHAT] * 2, params)
+    outputs = llm.generate([CHAT], sampled(json_schema(GROWING), max_tokens, seed=0))
     assert_all_valid(outputs, GROWING, max_tokens)
     assert_idle(llm)
 

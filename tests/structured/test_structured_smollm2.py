@@ -14,9 +14,11 @@ QUESTION = (
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
+    # one request at a time, of at most maxSeqLen tokens (4 blocks of 128): a pool of 8 blocks,
+    # not the 2 GiB one the engine takes on CPU when kvCacheBlocks is not given
     return LLM(
         str(smollm2_path), dtype="float32", maxSeqLen=512, maxInputTokenLen=256,
-        maxPrefillTokens=512, maxIterTimes=64,
+        maxPrefillTokens=512, maxIterTimes=64, kvCacheBlocks=8,
     )  # fmt: skip
 
 
