@@ -160,20 +160,59 @@ def test_peers_flag(sb):
         sb.parse_args(["--peers", "vllm", "--target", "vllm=http://127.0.0.1:1/v1"])
 
 
-# A stand-in peer: our own app (demo-tiny, no Ray) as a separate server process, started and
-# stopped by bench/peers.py exactly as vLLM or `transformers serve` would be.
-FAKE_PEER = """
+# The stand-in servers below (a peer, and --serve's server) are processes of their own that
+# forward every request to the module's app (`served`, in this process) and stream its answers
+# back: the bench starts, waits for, benches, measures and stops a separate server process, as
+# it would vLLM or `python -m serve_app`, and that process loads no model of its own. Forwarding
+# alone costs less CPU than /proc counts (10 ms ticks), so each generation request also spends
+# SERVER_CPU_S of the stand-in's CPU, as a server's own work would: its CPU is always measured.
+SERVER_CPU_S = 0.03
+FORWARD = f"""
+import time
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+
+def forwarding_app(upstream):
+    client = httpx.AsyncClient(base_url=upstream, timeout=60)
+
+    async def forward(request):
+        if request.method == "POST":
+            end = time.process_time() + {SERVER_CPU_S}
+            while time.process_time() < end:
+                pass
+        kind = request.headers.get("content-type", "application/json")
+        sent = client.build_request(request.method, request.url.path, params=request.query_params,
+                                    content=await request.body(), headers={{"content-type": kind}})
+        got = await client.send(sent, stream=True)
+        kind = got.headers.get("content-type", "")
+        if kind.startswith("text/event-stream"):  # streamed on as it comes
+            return StreamingResponse(got.aiter_raw(), got.status_code, media_type=kind,
+                                     background=BackgroundTask(got.aclose))
+        body = await got.aread()
+        await got.aclose()
+        return Response(body, got.status_code, media_type=kind)
+
+    return Starlette(routes=[Route("/{{path:path}}", forward, methods=["GET", "POST"])])
+"""
+
+# A stand-in peer: `python -c FAKE_PEER <the app's root URL> <port>`, started and stopped by
+# bench/peers.py exactly as vLLM or `transformers serve` would be.
+FAKE_PEER = (
+    FORWARD
+    + """
 import sys, uvicorn
-from serve_app.config import load_config
-from serve_app.ingress.app import create_app
-from serve_app.ingress.backend import LocalBackend
-from serve_app.replica.model_replica import ModelReplica
-from serve_app.tokenizer.pool import TokenizerPool
-config = load_config({config!r})
-backend = LocalBackend(TokenizerPool(config), {{"demo": ModelReplica(config)}})
-uvicorn.run(create_app(config, backend), host="127.0.0.1", port=int(sys.argv[1]),
+uvicorn.run(forwarding_app(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]),
             log_level="warning")
 """
+)
+
+
+def app_root(base_url: str) -> str:
+    return base_url.removesuffix("/v1")
 
 
 def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_the_workload(
@@ -184,8 +223,7 @@ def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_th
 
     def command(self):
         assert self.name == "vllm", "transformers refuses ignore_eos: never started"
-        script = FAKE_PEER.format(config=CONFIG)
-        return [sys.executable, "-c", script, str(self.port)], None
+        return [sys.executable, "-c", FAKE_PEER, app_root(base_url), str(self.port)], None
 
     def start(self):
         model = original_start(self)
@@ -218,21 +256,24 @@ def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_th
     assert line.startswith("ours / vllm output tok/s  2: ")
 
 
-# --serve's stand-in for `python -m serve_app CONFIG`: the same app (no Ray) on the port that
-# bench/server_process.py wrote into the config's copy, answering /v2/health/ready.
-FAKE_SERVE = """
+# --serve's stand-in for `python -m serve_app CONFIG`: on the port that bench/server_process.py
+# wrote into the config's copy, answering /v2/health/ready and the rest as the module's app does;
+# it reads the copy's application args as the server would, and exits if they are not the
+# config's (one model, "demo").
+FAKE_SERVE = (
+    FORWARD
+    + """
 import sys, uvicorn, yaml
 from serve_app.config import load_config
-from serve_app.ingress.app import create_app
-from serve_app.ingress.backend import LocalBackend
-from serve_app.replica.model_replica import ModelReplica
-from serve_app.tokenizer.pool import TokenizerPool
 spec = yaml.safe_load(open(sys.argv[1]))
 config = load_config(spec["applications"][0]["args"])
-backend = LocalBackend(TokenizerPool(config), {"demo": ModelReplica(config)})
-uvicorn.run(create_app(config, backend), host="127.0.0.1", port=spec["http_options"]["port"],
+models = [model.modelName for model in config.BackendConfig.ModelDeployConfig.ModelConfig]
+if models != ["demo"]:
+    sys.exit(f"not the config's models: {models}")
+uvicorn.run(forwarding_app(sys.argv[2]), host="127.0.0.1", port=spec["http_options"]["port"],
             log_level="warning")
 """
+)
 
 
 def serve_config(tmp_path, dtype="float32"):
@@ -252,11 +293,12 @@ def serve_config(tmp_path, dtype="float32"):
 
 
 def test_serve_starts_our_server_benches_it_and_stops_it_before_the_peer_starts(
-    sb, tmp_path, monkeypatch
+    sb, base_url, tmp_path, monkeypatch
 ):
     sp, peers = sys.modules["server_process"], sys.modules["peers"]
+    root = app_root(base_url)
     monkeypatch.setattr(sp, "server_command", lambda config: [sys.executable, "-c", FAKE_SERVE,
-                                                              str(config)])  # fmt: skip
+                                                              str(config), root])  # fmt: skip
     monkeypatch.setattr(sb, "SETTLE_S", 0.0)
     ours = []
 
@@ -270,7 +312,7 @@ def test_serve_starts_our_server_benches_it_and_stops_it_before_the_peer_starts(
 
     def command(self):
         at_peer_start.append(ours[0].poll())  # our server: already gone
-        return [sys.executable, "-c", FAKE_PEER.format(config=CONFIG), str(self.port)], None
+        return [sys.executable, "-c", FAKE_PEER, root, str(self.port)], None
 
     monkeypatch.setattr(peers.Peer, "command", command)
     out = tmp_path / "served.json"

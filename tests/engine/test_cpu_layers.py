@@ -1,12 +1,13 @@
 """Fused CPU decoder layers: the logits transformers' own layers give, on Qwen2 (q/k/v biases)
 and Llama shapes, over prompts, chunked prompts and decodes; other shapes keep their forward."""
 
+import functools
 import shutil
 
 import pytest
 import torch
 
-from serve_app.engine import cpu_gemm, cpu_layers
+from serve_app.engine import cpu_gemm, cpu_layers, model_runner
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.sequence import Sequence
@@ -17,6 +18,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_tokenizer_per_folder():
+    """Each model's tokenizer is read once (parsing the demo's 150k-token vocabulary is most of
+    building a runner of these small models) and shared by its runners, which never use it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "load_tokenizer", functools.cache(model_runner.load_tokenizer))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +54,21 @@ def tiny_llama(tmp_path_factory):
     return str(out)
 
 
-def _runner(model, dtype, fused, monkeypatch):
-    with monkeypatch.context() as patch:
-        if not fused:
-            patch.setattr(cpu_layers, "fuse_decoder_layers", lambda *args: 0)
-        config = EngineConfig(model=model, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=32)
-        return ModelRunner(config)
+@pytest.fixture(scope="module")
+def runners():
+    """runners(model, dtype, fused): one runner of each kind for the module, its decoder layers
+    fused or transformers' own. `_steps` gives the same logits on a runner used before: each
+    call writes every KV position it reads."""
+
+    @functools.cache
+    def build(model, dtype, fused):
+        with pytest.MonkeyPatch.context() as patch:
+            if not fused:
+                patch.setattr(cpu_layers, "fuse_decoder_layers", lambda *args: 0)
+            config = EngineConfig(model=model, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=32)
+            return ModelRunner(config)
+
+    return build
 
 
 def _steps(runner):
@@ -71,15 +90,15 @@ def _steps(runner):
 
 
 @pytest.mark.parametrize("model", ["demo-tiny", "tiny_llama"])
-def test_fused_layers_give_transformers_logits(model, request, monkeypatch):
+def test_fused_layers_give_transformers_logits(model, request, runners):
     model = request.getfixturevalue(model) if model == "tiny_llama" else model
-    fused = _runner(model, "float32", True, monkeypatch)
+    fused = runners(model, "float32", True)
     assert fused.fused_layers == fused.hf_config.num_hidden_layers
     assert all(
         isinstance(layer, cpu_layers.FusedDecoderLayer)
         for layer in fused.model.get_decoder().layers
     )
-    plain = _runner(model, "float32", False, monkeypatch)
+    plain = runners(model, "float32", False)
     assert plain.fused_layers == 0
     reference = _steps(plain)
     for got, expect in zip(_steps(fused), reference, strict=True):
@@ -87,8 +106,8 @@ def test_fused_layers_give_transformers_logits(model, request, monkeypatch):
         assert torch.equal(got.argmax(-1), expect.argmax(-1))
     # bfloat16: the fused ops round once where transformers rounds twice, so no bit equality;
     # the fused layers must come as close to the float32 logits as transformers' own do
-    fused_bf16 = _steps(_runner(model, "bfloat16", True, monkeypatch))
-    plain_bf16 = _steps(_runner(model, "bfloat16", False, monkeypatch))
+    fused_bf16 = _steps(runners(model, "bfloat16", True))
+    plain_bf16 = _steps(runners(model, "bfloat16", False))
     for got, expect, exact in zip(fused_bf16, plain_bf16, reference, strict=True):
         error, plain_error = (got - exact).abs().max(), (expect - exact).abs().max()
         assert error <= 1.5 * plain_error, (error, plain_error)
@@ -97,12 +116,12 @@ def test_fused_layers_give_transformers_logits(model, request, monkeypatch):
 @pytest.mark.skipif(
     not cpu_gemm.streams(torch.float32), reason="the streamed kernel is not built here"
 )
-def test_with_the_streamed_kernel_silu_has_no_pass_of_its_own(monkeypatch):
+def test_with_the_streamed_kernel_silu_has_no_pass_of_its_own(runners, monkeypatch):
     """The up projection's GEMM applies SiLU to the gate as it writes: no separate pass over
     the gate (torch's silu is never called) for the same logits as the separate pass."""
-    fused = _runner("demo-tiny", "float32", True, monkeypatch)
+    fused = runners("demo-tiny", "float32", True)
     assert all(layer.silu_in_up for layer in fused.model.get_decoder().layers)
-    expect = _steps(_runner("demo-tiny", "float32", False, monkeypatch))
+    expect = _steps(runners("demo-tiny", "float32", False))
 
     def no_silu(*args, **kwargs):
         raise AssertionError("a separate SiLU pass")

@@ -5,10 +5,12 @@ Triton kernel's place (the same call)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from serve_app.engine import LLM, SamplingParams, cpu_kernels, cuda_graphs
+from serve_app.engine import LLM, SamplingParams, cpu_kernels, cuda_graphs, model_runner
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.model_runner import ModelRunner
 from tests.engine.engine_helpers import assert_idle, tokens
@@ -36,6 +38,15 @@ def params():  # lengths that end at different steps: the batch shrinks through 
     ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_tokenizer_per_folder():
+    """Both LLMs here are demo-tiny: its tokenizer is read once (parsing its 150k-token
+    vocabulary is most of building one) and shared; the engine only reads it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "load_tokenizer", functools.cache(model_runner.load_tokenizer))
+        yield
+
+
 @pytest.fixture(scope="module")
 def eager():
     llm = LLM(model="demo-tiny", enforce_eager=True, **SETTINGS)
@@ -43,14 +54,16 @@ def eager():
     return tokens(llm.generate(prompts(), params()))
 
 
-@pytest.fixture
-def graphed(monkeypatch):
+@pytest.fixture(scope="module")
+def graphed():
     """An LLM whose runner captured its decode steps: CUDA graphs on CUDA (device auto), their
-    eager stand-ins elsewhere."""
+    eager stand-ins elsewhere. One for the module: each test drains it, and counts the replays
+    and the KV blocks of its own requests only."""
     if not torch.cuda.is_available() and cpu_kernels.paged_decode_attention() is None:
         pytest.skip("the CPU kernels are not built (no C++ compiler)")
-    monkeypatch.setattr(ModelRunner, "_use_decode_graphs", lambda self: True)
-    return LLM(model="demo-tiny", **SETTINGS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelRunner, "_use_decode_graphs", lambda self: True)
+        return LLM(model="demo-tiny", **SETTINGS)
 
 
 def test_batch_sizes():
@@ -65,15 +78,24 @@ def test_decodes_replay_the_graphs_with_the_eager_tokens(graphed, eager):
     runner = graphed.engine.runner
     graphs = runner.decode_graphs
     assert graphs.sizes == [1, 2, 4, 8, 12] and set(graphs.graphs) == set(graphs.sizes)
+    before = graphs.replays
     assert tokens(graphed.generate(prompts(), params())) == eager
     # one prefill step, then decodes only: every one of them a replay (11 padded to 12, ...)
-    assert graphs.replays == max(p.max_tokens for p in params()) - 1
+    assert graphs.replays - before == max(p.max_tokens for p in params()) - 1
     assert_idle(graphed)
 
 
-def test_padding_writes_only_the_scratch_block(graphed):
+def test_padding_writes_only_the_scratch_block(graphed, monkeypatch):
     runner = graphed.engine.runner
     pool = graphed.engine.kv.pool
+    used = set()  # the blocks handed to this test's requests
+
+    def allocate(n, allocate=pool.allocate):
+        blocks = allocate(n)
+        used.update(blocks or ())
+        return blocks
+
+    monkeypatch.setattr(pool, "allocate", allocate)
     assert pool.num_blocks == runner.num_blocks == SETTINGS["num_kv_blocks"]
     scratch = runner.decode_graphs.scratch_block
     assert scratch == runner.num_blocks and runner.kv_caches[0][0].shape[0] == scratch + 1
@@ -82,7 +104,7 @@ def test_padding_writes_only_the_scratch_block(graphed):
         v[scratch].zero_()
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     graphed.generate(prompts()[:3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    used = set(range(3))  # three short prompts fill blocks 0-2 (a fresh pool hands out in order)
+    assert len(used) == 3  # three short prompts, a block each
     for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
         for block in range(runner.num_blocks):
             if block not in used:
@@ -105,8 +127,9 @@ def test_what_a_graph_does_not_cover_runs_eagerly(graphed):
     assert not graphs.covers([], [])
     # 13 requests: the first decode steps run eagerly (13 > 12), then replay as they finish
     more = [*prompts(), prompts()[0], prompts()[1]][:13]
+    before = graphs.replays
     outs = graphed.generate(more, [*params(), *params()][:13])
-    assert len(outs) == 13 and graphs.replays > 0
+    assert len(outs) == 13 and graphs.replays > before
     assert_idle(graphed)
 
 
@@ -122,12 +145,12 @@ def test_enforce_eager_captures_nothing(monkeypatch):
         assert runner._use_decode_graphs() is (device == "cuda")
 
 
-def test_the_engine_info_says_the_decode_steps_are_graphs(graphed):
+def test_the_engine_info_says_the_decode_steps_are_graphs(graphed, monkeypatch):
     from serve_app.engine.engine_process import EngineInfo
 
     info = EngineInfo.of(graphed.engine)
     assert info.decode_graphs == 5
     assert info.placement() == ", decode steps as CUDA graphs (5 batch sizes)"
-    graphed.engine.runner.decode_graphs = None  # as without graphs
+    monkeypatch.setattr(graphed.engine.runner, "decode_graphs", None)  # as without graphs
     assert EngineInfo.of(graphed.engine).decode_graphs == 0
     assert EngineInfo.of(graphed.engine).placement() == ""

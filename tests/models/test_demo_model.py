@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from serve_app.models.demo import _model_config, build_demo_model, ensure_demo_model
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
@@ -37,7 +38,17 @@ def tiny(cache) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny):
-    return AutoTokenizer.from_pretrained(tiny)
+    return load_tokenizer(tiny)  # transformers' AutoTokenizer on the folder, offline
+
+
+@pytest.fixture(scope="module")
+def fp32_model(cache):
+    """fp32_model(variant): the cached build of `variant` loaded in float32, once a module."""
+    return functools.cache(
+        lambda variant: load_model(
+            ensure_demo_model(variant, cache), torch.float32, torch.device("cpu")
+        )
+    )
 
 
 def assert_same_files(a: Path, b: Path) -> None:
@@ -113,7 +124,7 @@ def test_chat_template(tokenizer):
     assert plain == "<|im_start|>user\nHi<|im_end|>\n"
 
 
-def test_demo_config_and_model_load(cache):
+def test_demo_config_and_model_load(cache, fp32_model):
     path = ensure_demo_model("demo", cache)
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == "qwen2"
@@ -121,7 +132,7 @@ def test_demo_config_and_model_load(cache):
     assert (config.num_attention_heads, config.num_key_value_heads) == (8, 2)
     assert (config.intermediate_size, config.vocab_size) == (1408, 151936)
     assert config.tie_word_embeddings and config.max_position_embeddings == 4096
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model = fp32_model("demo")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert sum(p.numel() for p in model.parameters()) > 90_000_000
     generation = json.loads((path / "generation_config.json").read_text())
@@ -161,10 +172,9 @@ def greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
 
 
 @pytest.mark.parametrize("variant", ["demo", "demo-tiny"])  # demo-1b: 5 GB to build
-def test_greedy_steps_are_decisive_and_varied(variant, cache, tokenizer):
-    path = ensure_demo_model(variant, cache)
-    fp32 = load_model(path, torch.float32, torch.device("cpu"))
-    bf16 = load_model(path, torch.bfloat16, torch.device("cpu"))
+def test_greedy_steps_are_decisive_and_varied(variant, cache, tokenizer, fp32_model):
+    fp32 = fp32_model(variant)
+    bf16 = load_model(ensure_demo_model(variant, cache), torch.bfloat16, torch.device("cpu"))
     margins = []
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
@@ -178,10 +188,10 @@ def test_greedy_steps_are_decisive_and_varied(variant, cache, tokenizer):
     assert min(margins) > 2.0 and statistics.median(margins) > 3.5, margins
 
 
-def test_loader(tiny, tmp_path):
+def test_loader(tiny, tokenizer, tmp_path):
     model = load_model(tiny, torch.bfloat16, torch.device("cpu"))
     assert model.dtype == torch.bfloat16 and not model.training
-    assert load_tokenizer(tiny).eos_token_id == 151645
+    assert tokenizer.eos_token_id == 151645  # load_tokenizer(tiny)
     assert resolve_model_path(str(tiny)) == tiny
     with pytest.raises(FileNotFoundError, match="modelWeightPath.*does not exist"):
         resolve_model_path(str(tmp_path / "missing"))
