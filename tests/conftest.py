@@ -6,7 +6,8 @@ Ray (the Serve cluster of tests/serve/, the CLI's own clusters, a local Ray) is 
 first, on one worker, in file order: one Ray at a time, as in a plain `pytest` run. The Ray tests
 mostly wait (app start-ups, replicas replaced, Serve draining), so the other worker fills those
 waits with the CPU-bound engine and route tests, at a lower CPU priority (nice 10) so that they
-take only the time the Ray tests leave and the apps start up as fast as in a serial run.
+take only the time the Ray tests leave and the apps start up as fast as in a serial run, and
+with torch on one thread.
 """
 
 import contextlib
@@ -130,6 +131,10 @@ def pytest_runtest_setup(item):
     if "PYTEST_XDIST_WORKER" in os.environ and not item.nodeid.startswith(RAY_TESTS):
         if os.getpriority(os.PRIO_PROCESS, 0) < 10 and os.path.isdir("/proc/self/task"):
             _lower_priority()
+            # and torch on one thread (the engine processes it starts inherit that): the other
+            # worker keeps the second core busy, and torch's threads waiting for a core burnt
+            # several times the CPU of the work itself (a tenfold on the fake-NPU engine tests)
+            torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
