@@ -21,7 +21,7 @@ import torch
 from tests.processes import carrying
 
 # Test files (paths from the repository root) that start or join a Ray instance: one unit, run
-# first, on one worker, in file order. Ray's start-ups and replica loads take both cores of a
+# first, on one worker, in the order below. Ray's start-ups and replica loads take both cores of a
 # 2-core machine, so two Ray units side by side only slowed each other (and the tests that find
 # Ray's processes by name would see the other unit's).
 RAY_TESTS = ("tests/serve/", "tests/cluster/test_cli.py", "tests/disagg/test_connector.py")
@@ -133,7 +133,7 @@ def pytest_runtest_setup(item):
             _lower_priority()
             # and torch on one thread (the engine processes it starts inherit that): the other
             # worker keeps the second core busy, and torch's threads waiting for a core burnt
-            # several times the CPU of the work itself (a tenfold on the fake-NPU engine tests)
+            # more CPU than the work itself
             torch.set_num_threads(1)
 
 
