@@ -3,7 +3,7 @@
 `make test` runs pytest on two workers (pytest-xdist `-n 2`), a test file at a time per worker, so
 that module fixtures are built once and a file's tests run in their order. Every test that starts
 Ray (the Serve cluster of tests/serve/, the CLI's own clusters, a local Ray) is in one unit, run
-first, on one worker, in file order: one Ray at a time, as in a plain `pytest` run. The Ray tests
+first, on one worker, in RAY_ORDER: one Ray at a time, as in a plain `pytest` run. The Ray tests
 mostly wait (app start-ups, replicas replaced, Serve draining), so the other worker fills those
 waits with the CPU-bound engine and route tests, at a lower CPU priority (nice 10) so that they
 take only the time the Ray tests leave and the apps start up as fast as in a serial run, and
