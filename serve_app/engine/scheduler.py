@@ -131,15 +131,16 @@ class Scheduler:
         find the shared prompt blocks in the prefix cache instead of each needing its own copy.
         """
         seqs = request.seqs
-        behind = [s for s in seqs if s.num_computed_tokens < s.num_tokens - 1]
-        if len(seqs) > 1 and behind:
-            seq, short = behind[0], 1
-        elif len(seqs) == 1:
-            seq, short = seqs[0], 0
+        short = 1 if len(seqs) > 1 else 0
+        for seq in seqs:
+            if seq.num_computed_tokens >= seq.num_tokens - short:
+                continue
+            self.kv.match_prefix(seq)  # adopts cached blocks only while it holds none
+            need = seq.num_tokens - short - seq.num_computed_tokens
+            if need > 0:  # a fork the cache restored up to its last token needs nothing more
+                break
         else:  # all caught up: one token each, sampled together
             return [(s, s.num_tokens - s.num_computed_tokens) for s in seqs], 0
-        self.kv.match_prefix(seq)  # adopts cached blocks only while it holds none
-        need = seq.num_tokens - short - seq.num_computed_tokens
         if need == 1:  # a decode-like step costs no prompt budget
             return [(seq, 1)], 0
         n = min(need, budget)  # prompt work, bounded by the budget

@@ -22,7 +22,7 @@ GREEDY16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 GREEDY16_LOGPROBS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
 
 
-def make_llm(**overrides):
+def make_llm(model="demo", **overrides):
     settings = dict(
         dtype="float32",
         block_size=16,
@@ -33,7 +33,7 @@ def make_llm(**overrides):
         max_prefill_tokens=512,
     )
     settings.update(overrides)
-    return LLM("demo", **settings)
+    return LLM(model, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +349,32 @@ def test_forked_sequences_survive_preemption_unchanged(prompts):
     for a, b in zip(roomy, squeezed, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert_idle(tight)
+
+
+def test_forks_the_prefix_cache_restores_whole_go_on_after_preemption(prompts):
+    """Forks preempted while each holds only full blocks before its last token come back from the
+    prefix cache complete, nothing left to recompute: the request is scheduled on and finishes as
+    it would have unpreempted (it used to wait forever with the pool free)."""
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    prompt = prompts[4]  # 31 tokens: after two steps each fork holds 33, two full blocks + one
+    expected = make_llm(model="demo-tiny").generate([prompt], params)[0]
+    engine = make_llm(model="demo-tiny").engine
+    engine.add_request(EngineRequest("r", prompt, params))
+    scheduler = engine.scheduler
+    while not scheduler.running or scheduler.running[0].seqs[0].num_tokens < len(prompt) + 2:
+        engine.step()
+    request = scheduler.running[0]
+    assert [s.num_tokens for s in request.seqs] == [33, 33]
+    scheduler.running.remove(request)
+    scheduler._preempt(request)
+    finished = None
+    for _ in range(20):
+        finished = next((o for o in engine.step() if o.finished), None) or finished
+        if not engine.has_unfinished_requests():
+            break
+    assert finished is not None, "the preempted request was never scheduled again"
+    assert [c.token_ids for c in finished.outputs] == [c.token_ids for c in expected.outputs]
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 
 
 def test_async_engine_under_concurrent_load_with_cancellations(llm, prompts, greedy_reference):
