@@ -162,24 +162,61 @@ def prompts():
 
 def transformers_greedy(model, prompts, max_new_tokens=16, ignore_eos=True):
     """transformers' greedy continuation of each prompt, with the log-probability of each
-    chosen token: (tokens, logprobs). ignore_eos: exactly max_new_tokens each; else a prompt
-    stops at the model's EOS, as ours do."""
+    chosen token: (tokens, logprobs). ignore_eos: exactly max_new_tokens each, all prompts in one
+    left-padded, masked `generate` (one forward pass per new token for all of them: the same
+    tokens as one prompt at a time, log-probabilities within ~1e-5); else one prompt at a time,
+    each stopping at the model's EOS, as ours do."""
+    if ignore_eos:
+        width = max(map(len, prompts))
+        batches = [
+            (
+                [[0] * (width - len(p)) + list(p) for p in prompts],
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+            )
+        ]
+    else:
+        batches = [([list(p)], [[1] * len(p)]) for p in prompts]
     tokens, logprobs = [], []
     with torch.inference_mode():
-        for ids in prompts:
+        for ids, mask in batches:
             out = model.generate(
-                torch.tensor([ids]),
+                torch.tensor(ids),
+                attention_mask=torch.tensor(mask),
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens if ignore_eos else None,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
+                pad_token_id=0,
             )
-            chosen = out.sequences[0, len(ids) :]
-            steps = torch.cat(out.logits).float().log_softmax(-1)
-            tokens.append(chosen.tolist())
-            logprobs.append(steps.gather(1, chosen[:, None])[:, 0].tolist())
+            chosen = out.sequences[:, len(ids[0]) :]
+            steps = torch.stack(out.logits, 1).float().log_softmax(-1)
+            tokens += chosen.tolist()
+            logprobs += steps.gather(2, chosen[:, :, None])[:, :, 0].tolist()
     return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def one_tokenizer_per_model():
+    """For a module whose engines, replicas and pools only read their tokenizer: each model
+    folder's is loaded once (by serve_app's own loader) and shared by all of them. Loading one
+    parses a 150k-token vocabulary and its merges, most of the start of an engine on a demo
+    model. Use it as `pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")`."""
+    from serve_app.engine import model_runner
+    from serve_app.models import loader
+    from serve_app.tokenizer import pool
+
+    loaded, load = {}, loader.load_tokenizer
+
+    def load_once(path):
+        if str(path) not in loaded:
+            loaded[str(path)] = load(path)
+        return loaded[str(path)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (loader, model_runner, pool):  # the names each of them calls it by
+            patch.setattr(module, "load_tokenizer", load_once)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,20 @@ def llm():
     )
 
 
+def transformers_logprobs(model, ids, continuations):
+    """transformers' log-probabilities over the vocabulary at each position of each
+    continuation of `ids` (row k: the one that chose token k), in one forward pass for all of
+    them: right-padded, which the earlier positions of a causal model never see."""
+    width = max(map(len, continuations))
+    batch = torch.tensor([ids + c + [0] * (width - len(c)) for c in continuations])
+    with torch.inference_mode():
+        logits = model(batch).logits.float()
+    return [
+        logits[i, len(ids) - 1 : len(ids) - 1 + len(c)].log_softmax(-1)
+        for i, c in enumerate(continuations)
+    ]
+
+
 def run(llm, prompt, params):
     engine = llm.engine
     engine.add_request(EngineRequest("r", prompt, params))
@@ -42,11 +56,9 @@ def test_beam_search_logprobs_match_transformers(llm, hf_demo, prompts, width, n
     )
     (output,) = llm.generate([ids], params)
     assert len(output.outputs) == width
-    for choice in output.outputs:
+    refs = transformers_logprobs(hf_demo, ids, [c.token_ids for c in output.outputs])
+    for choice, ref in zip(output.outputs, refs, strict=True):
         assert choice.logprobs is not None and len(choice.logprobs) == len(choice.token_ids) == 6
-        with torch.inference_mode():
-            logits = hf_demo(torch.tensor([ids + choice.token_ids])).logits[0].float()
-        ref = logits[len(ids) - 1 : -1].log_softmax(-1)  # the row that produced each token
         for step, (token, lp) in enumerate(zip(choice.token_ids, choice.logprobs, strict=True)):
             assert lp.token_id == token
             assert lp.logprob == pytest.approx(ref[step, token].item(), abs=1e-4)
@@ -110,11 +122,9 @@ def test_beam_hypotheses_ending_in_eos_keep_their_logprobs(llm, hf_demo, prompts
     monkeypatch.setattr(llm.engine, "eos_token_ids", {eos})
     (output,) = llm.generate([ids], SamplingParams(**base))
     assert any(c.finish_reason.value == "eos" for c in output.outputs)
-    for choice in output.outputs:
+    refs = transformers_logprobs(hf_demo, ids, [c.token_ids for c in output.outputs])
+    for choice, ref in zip(output.outputs, refs, strict=True):
         assert len(choice.logprobs) == len(choice.token_ids)
-        with torch.inference_mode():
-            logits = hf_demo(torch.tensor([ids + choice.token_ids])).logits[0].float()
-        ref = logits[len(ids) - 1 : -1].log_softmax(-1)
         got = torch.tensor([lp.logprob for lp in choice.logprobs])
         want = ref.gather(1, torch.tensor(choice.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -7,26 +7,20 @@ import shutil
 import pytest
 import torch
 
-from serve_app.engine import cpu_gemm, cpu_layers, model_runner
+from serve_app.engine import cpu_gemm, cpu_layers
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.sequence import Sequence
 from serve_app.models.demo import ensure_demo_model
 
-pytestmark = pytest.mark.skipif(
-    not cpu_gemm.supported(torch.device("cpu"), torch.float32), reason="torch without oneDNN"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_gemm.supported(torch.device("cpu"), torch.float32), reason="torch without oneDNN"
+    ),
+    pytest.mark.usefixtures("one_tokenizer_per_model"),
+]
 
 BLOCK_SIZE = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_tokenizer_per_folder():
-    """Each model's tokenizer is read once (parsing the demo's 150k-token vocabulary is most of
-    building a runner of these small models) and shared by its runners, which never use it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_runner, "load_tokenizer", functools.cache(model_runner.load_tokenizer))
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,15 @@ Triton kernel's place (the same call)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from serve_app.engine import LLM, SamplingParams, cpu_kernels, cuda_graphs, model_runner
+from serve_app.engine import LLM, SamplingParams, cpu_kernels, cuda_graphs
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.model_runner import ModelRunner
 from tests.engine.engine_helpers import assert_idle, tokens
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
 
 SETTINGS = dict(
     dtype="float32",
@@ -36,15 +36,6 @@ def params():  # lengths that end at different steps: the batch shrinks through 
     return [
         SamplingParams(max_tokens=10 + 7 * i, temperature=0, ignore_eos=True) for i in range(11)
     ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_tokenizer_per_folder():
-    """Both LLMs here are demo-tiny: its tokenizer is read once (parsing its 150k-token
-    vocabulary is most of building one) and shared; the engine only reads it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_runner, "load_tokenizer", functools.cache(model_runner.load_tokenizer))
-        yield
 
 
 @pytest.fixture(scope="module")

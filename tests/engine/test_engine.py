@@ -1,11 +1,15 @@
-"""The engine end to end on the demo model: parity with transformers, scheduling, KV lifetime."""
+"""The engine end to end on the demo models: parity with transformers, scheduling, KV lifetime."""
 
 import asyncio
 import time
 
 import pytest
 import torch
-from engine_helpers import assert_idle, assert_matches_transformers, tokens
+from engine_helpers import (
+    assert_idle,
+    assert_matches_transformers,
+    tokens,
+)
 
 from serve_app.engine import (
     LLM,
@@ -17,6 +21,8 @@ from serve_app.engine import (
     SamplingParams,
 )
 from serve_app.engine.kv_transfer import ImportedPrefill
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
 
 GREEDY16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 GREEDY16_LOGPROBS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
@@ -41,6 +47,14 @@ def llm():
     return make_llm()
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The engine on the tiny demo model, for the tests of scheduling and sampling that compare
+    the engine with itself rather than with transformers (the model's numerics are not theirs
+    to check)."""
+    return make_llm("demo-tiny")
+
+
 def test_greedy_matches_transformers_with_chunked_prefill(prompts, hf_greedy):
     # A 48-token budget per step splits the longer prompts over several steps, next to decodes.
     llm = make_llm(max_prefill_tokens=48, max_input_token_len=48)
@@ -56,11 +70,13 @@ def test_greedy_matches_transformers_in_one_batch(llm, prompts, hf_greedy):
 
 
 def test_prompts_of_one_length_prefill_unpadded_and_match_transformers(llm, hf_demo, hf_greedy_of):
-    # fresh prompts of one length are attended as they are packed (no padding, no gather)
+    # fresh prompts of one length are attended as they are packed (no padding, no gather); the
+    # decode steps after it read the KV that prefill wrote (4 tokens: each step reads it all)
     generator = torch.Generator().manual_seed(7)
     same = [torch.randint(0, 151643, (40,), generator=generator).tolist() for _ in range(4)]
-    outputs = llm.generate(same, GREEDY16_LOGPROBS)
-    assert_matches_transformers(outputs, hf_greedy_of(hf_demo, same))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(same, params)
+    assert_matches_transformers(outputs, hf_greedy_of(hf_demo, same, 4))
     assert_idle(llm)
 
 
@@ -70,7 +86,7 @@ def test_bfloat16_gives_the_same_greedy_tokens(prompts, greedy_reference):
 
 
 def test_preemption_when_the_pool_is_too_small_keeps_outputs_exact(prompts, hf_greedy):
-    llm = make_llm(num_kv_blocks=14)  # far fewer blocks than all requests need at once
+    llm = make_llm(num_kv_blocks=18)  # far fewer blocks than all requests need at once
     outputs = llm.generate(prompts, GREEDY16_LOGPROBS)
     assert llm.engine.stats()["num_preemptions"] > 0
     assert_matches_transformers(outputs, hf_greedy)
@@ -78,7 +94,8 @@ def test_preemption_when_the_pool_is_too_small_keeps_outputs_exact(prompts, hf_g
 
 
 def test_prefix_reuse_gives_identical_outputs_and_reuses_blocks(llm, prompts, hf_greedy):
-    llm.generate(prompts, GREEDY16_LOGPROBS)  # their full blocks cached, whatever ran before
+    # their full blocks cached, whatever ran before (filled by the prefill: one token will do)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
     before = llm.engine.stats()["prefix_cache_hits"]
     assert_matches_transformers(llm.generate(prompts, GREEDY16_LOGPROBS), hf_greedy)
     hits = llm.engine.stats()["prefix_cache_hits"] - before
@@ -106,14 +123,15 @@ def test_abort_mid_generation_frees_every_block(llm, prompts):
     assert_idle(llm)
 
 
-def test_same_seed_same_tokens_alone_and_in_a_busy_batch(llm, prompts):
+def test_same_seed_same_tokens_alone_and_in_a_busy_batch(tiny, prompts):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
-    alone = tokens(llm.generate([prompts[4]], seeded))[0]
-    busy = [SamplingParams(temperature=0.8, max_tokens=20)] * 6
-    batch = llm.generate(prompts[:6] + [prompts[4]], busy + [seeded])
+    alone = tokens(tiny.generate([prompts[4]], seeded))[0]
+    # the others sample (unseeded) beside it at every one of its steps
+    busy = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 6
+    batch = tiny.generate(prompts[:6] + [prompts[4]], busy + [seeded])
     assert tokens(batch)[-1] == alone
     other = SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=12, ignore_eos=True)
-    assert tokens(llm.generate([prompts[4]], other))[0] != alone
+    assert tokens(tiny.generate([prompts[4]], other))[0] != alone
 
 
 def test_temperature_zero_equals_greedy(llm, prompts, greedy_reference):
@@ -121,18 +139,18 @@ def test_temperature_zero_equals_greedy(llm, prompts, greedy_reference):
     assert tokens(llm.generate(prompts[:3], params)) == greedy_reference[:3]
 
 
-def test_n_and_best_of_return_the_right_number_of_sequences(llm, prompts):
-    out = llm.generate([prompts[3]], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
+def test_n_and_best_of_return_the_right_number_of_sequences(tiny, prompts):
+    out = tiny.generate([prompts[3]], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
     assert [c.index for c in out[0].outputs] == [0, 1, 2]
     assert all(
         len(c.token_ids) == 8 or c.finish_reason != FinishReason.LENGTH for c in out[0].outputs
     )
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # the forks sample apart
     params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=1, max_tokens=8)
-    best = llm.generate([prompts[3]], params)[0].outputs
+    best = tiny.generate([prompts[3]], params)[0].outputs
     assert len(best) == 2
     assert best[0].cumulative_logprob >= best[1].cumulative_logprob
-    assert_idle(llm)
+    assert_idle(tiny)
 
 
 @pytest.mark.parametrize("width", [2, 3])
@@ -183,15 +201,14 @@ def test_stop_token_ids_and_eos(llm, prompts, greedy_reference):
 
 
 def test_output_limits_max_tokens_max_iter_times_and_max_seq_len(prompts):
-    llm = make_llm(max_iter_times=10, max_seq_len=110)
+    llm = make_llm("demo-tiny", max_iter_times=10, max_seq_len=110)
     free = SamplingParams(temperature=0, ignore_eos=True)
     assert len(tokens(llm.generate([prompts[2]], free))[0]) == 10  # maxIterTimes
     limited = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)
     assert len(tokens(llm.generate([prompts[2]], limited))[0]) == 4  # max_tokens
     out = llm.generate([prompts[6]], free)[0].outputs[0]  # 100 prompt tokens + 10 = maxSeqLen
     assert len(out.token_ids) == 10 and out.finish_reason == FinishReason.LENGTH
-    llm = make_llm(max_iter_times=100, max_seq_len=105)
-    out = llm.generate([prompts[6]], free)[0].outputs[0]
+    out = llm.generate([prompts[7][:105]], free)[0].outputs[0]  # 105 + 5 = maxSeqLen, first
     assert len(out.token_ids) == 5 and out.finish_reason == FinishReason.LENGTH
 
 
@@ -205,12 +222,12 @@ def test_bad_input_is_refused_with_a_clear_error(llm):
     with pytest.raises(ValueError, match="priority"):
         llm.generate([[1]], GREEDY16, priorities=[0])
     with pytest.raises(ValueError, match="KV blocks"):
-        make_llm(num_kv_blocks=4).generate([[1] * 100], GREEDY16)
+        make_llm("demo-tiny", num_kv_blocks=4).generate([[1] * 100], GREEDY16)
     assert_idle(llm)
 
 
 def test_priority_orders_admission(prompts):
-    llm = make_llm(max_batch_size=1, max_prefill_batch_size=1)
+    llm = make_llm("demo-tiny", max_batch_size=1, max_prefill_batch_size=1)
     engine = llm.engine
     for name in ("low1", "low2"):
         engine.add_request(
@@ -336,29 +353,31 @@ def test_a_request_the_engine_cannot_add_fails_alone(llm, prompts, greedy_refere
         engine.shutdown()
 
 
-def test_forked_sequences_survive_preemption_unchanged(prompts):
+def test_forked_sequences_survive_preemption_unchanged(tiny, prompts):
     """n-sampling and beam search recompute every fork after preemption, then go on as before."""
-    sampled = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=40, ignore_eos=True)
-    beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=40, ignore_eos=True)
-    batch = [prompts[5], prompts[6], prompts[7]]
-    params = [sampled, beams, sampled]
-    roomy = make_llm().generate(batch, params)
-    tight = make_llm(num_kv_blocks=22)
-    squeezed = tight.generate(batch, params)
-    assert tight.engine.stats()["num_preemptions"] > 0
-    for a, b in zip(roomy, squeezed, strict=True):
-        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
-    assert_idle(tight)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=16, ignore_eos=True)
+    beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=16, ignore_eos=True)
+    # 24 blocks hold both requests until their forks' outputs need more: then the newer one
+    # (the 150-token prompt's) is preempted mid-output, its forks apart. Once as the samples,
+    # once as the beams.
+    tight = make_llm("demo-tiny", num_kv_blocks=24)
+    for params in ([beams, sampled], [sampled, beams]):
+        batch = [prompts[6], prompts[7]]
+        roomy, squeezed = tiny.generate(batch, params), tight.generate(batch, params)
+        assert squeezed[1].metrics.num_preemptions > 0
+        for a, b in zip(roomy, squeezed, strict=True):
+            assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert_idle(tight)
 
 
-def test_forks_the_prefix_cache_restores_whole_go_on_after_preemption(prompts):
+def test_forks_the_prefix_cache_restores_whole_go_on_after_preemption(tiny, prompts):
     """Forks preempted while each holds only full blocks before its last token come back from the
     prefix cache complete, nothing left to recompute: the request is scheduled on and finishes as
     it would have unpreempted (it used to wait forever with the pool free)."""
     params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     prompt = prompts[4]  # 31 tokens: after two steps each fork holds 33, two full blocks + one
-    expected = make_llm(model="demo-tiny").generate([prompt], params)[0]
-    engine = make_llm(model="demo-tiny").engine
+    expected = tiny.generate([prompt], params)[0]
+    engine = make_llm("demo-tiny").engine
     engine.add_request(EngineRequest("r", prompt, params))
     scheduler = engine.scheduler
     while not scheduler.running or scheduler.running[0].seqs[0].num_tokens < len(prompt) + 2:

@@ -26,6 +26,8 @@ from serve_app.engine.outputs import (
 )
 from serve_app.engine.params import FinishReason
 
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
+
 CONFIG = EngineConfig(
     model="demo-tiny", dtype="float32", max_seq_len=4096, max_input_token_len=128,
     max_iter_times=4000, max_prefill_tokens=256, block_size=16, num_kv_blocks=300,
@@ -35,6 +37,7 @@ CONFIG = EngineConfig(
 LONG = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
 PROCESS = CONFIG.replace(engine_process=True)
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [9] * 17, list(range(100, 103))]
+CORE = min(os.sched_getaffinity(0))
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -68,9 +71,13 @@ async def _idle(engine: AsyncEngine, steps_before: int | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def process_engine():
-    engine = AsyncEngine(PROCESS)
+    """The module's engine process, bound to one core as engineCpus places it (what
+    test_the_engine_process_binds_to_its_cores_and_threads checks): one child for every test
+    that needs no fresh one."""
+    engine = AsyncEngine(PROCESS.replace(engine_cpus=(CORE,)))
     yield engine
     engine.shutdown()
+    assert engine._process._process.poll() is not None  # shutdown ended the child
 
 
 def test_a_process_engine_gives_the_threads_tokens(process_engine):
@@ -230,19 +237,14 @@ def test_a_dead_engine_process_ends_every_stream_and_refuses_new_ones():
         engine.shutdown()
 
 
-def test_the_engine_process_binds_to_its_cores_and_threads():
-    core = min(os.sched_getaffinity(0))
-    engine = AsyncEngine(PROCESS.replace(engine_cpus=(core,)))
-    try:
-        assert engine.info.cpus == (core,) and engine.info.num_threads == 1
-        pid = engine._process._process.pid
-        assert os.sched_getaffinity(pid) == {core}
-        with open(f"/proc/{pid}/environ", "rb") as f:  # big buffers reused from the heap
-            assert b"MALLOC_MMAP_THRESHOLD_=" in f.read()
-        assert len(asyncio.run(_tokens(engine, "bound", PROMPTS[0]))) == GREEDY.max_tokens
-    finally:
-        engine.shutdown()
-    assert engine._process._process.poll() is not None  # shutdown ended the child
+def test_the_engine_process_binds_to_its_cores_and_threads(process_engine):
+    # (that its shutdown ends the child is checked as the module's fixture ends it)
+    assert process_engine.info.cpus == (CORE,) and process_engine.info.num_threads == 1
+    pid = process_engine._process._process.pid
+    assert os.sched_getaffinity(pid) == {CORE}
+    with open(f"/proc/{pid}/environ", "rb") as f:  # big buffers reused from the heap
+        assert b"MALLOC_MMAP_THRESHOLD_=" in f.read()
+    assert len(asyncio.run(_tokens(process_engine, "bound", PROMPTS[0]))) == GREEDY.max_tokens
 
 
 @pytest.mark.parametrize(

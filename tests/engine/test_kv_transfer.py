@@ -3,7 +3,6 @@ second one imports it and continues; the tokens must equal one colocated engine'
 token, greedy and seeded sampling alike."""
 
 import dataclasses
-import functools
 import sys
 
 import pytest
@@ -17,10 +16,11 @@ from serve_app.engine import (
     RequestRejected,
     SamplingParams,
     kv_transfer,
-    model_runner,
 )
 from serve_app.engine.kv_transfer import ImportedPrefill, KVPayload
 from serve_app.tokenizer.limits import TokenLimits
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
 
 MAX_ITER = 12
 BASE = dict(
@@ -42,15 +42,6 @@ SEEDED = SamplingParams(
     repetition_penalty=1.3,
     presence_penalty=0.5,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_tokenizer_per_folder():
-    """Every engine here is demo-tiny: its tokenizer is read once (parsing its 150k-token
-    vocabulary is most of building an engine) and shared; an engine only reads it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_runner, "load_tokenizer", functools.cache(model_runner.load_tokenizer))
-        yield
 
 
 def make_engine(**overrides):

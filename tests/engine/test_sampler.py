@@ -37,7 +37,7 @@ def test_top_k_never_emits_a_token_outside_the_k_best():
     sampler = Sampler(seed=1)
     rows = _rows(SamplingParams(temperature=1.0, top_k=5), 64)
     seen = set()
-    for _ in range(10):
+    for _ in range(4):  # 256 draws: a sixth token let through would all but surely show
         seen.update(sampler(logits.expand(64, -1), rows).token_ids)
     assert seen <= allowed
     assert len(seen) > 1  # it still samples

@@ -20,10 +20,13 @@ from serve_app.engine.inputs import EngineRequest
 
 use_spare_cpus = cpu_kernels.op("use_spare_cpus")
 stats = cpu_kernels.op("spare_cores_stats")
-pytestmark = pytest.mark.skipif(
-    cpu_kernels.op("streamed_linear") is None,
-    reason="the streamed GEMM (the kernel helpers share) is built for AVX-512 and AVX2 only",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_kernels.op("streamed_linear") is None,
+        reason="the streamed GEMM (the kernel helpers share) is built for AVX-512 and AVX2 only",
+    ),
+    pytest.mark.usefixtures("one_tokenizer_per_model"),
+]
 CORE = min(os.sched_getaffinity(0))
 CONFIG = EngineConfig(
     model="demo-tiny", dtype="float32", max_seq_len=256, max_input_token_len=128,

@@ -13,6 +13,8 @@ from serve_app.messages import ReplicaRequest
 from serve_app.replica.model_replica import ModelReplica
 from tests.stepping import Stepping
 
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
+
 CONFIG = {
     "BackendConfig": {
         "ModelDeployConfig": {
@@ -301,6 +303,7 @@ def test_abort_method_ends_with_aborted(replica, prompt):
 def test_stats_health_device_info(replica):
     stats = asyncio.run(replica.stats())
     assert stats["replica_id"] == replica.replica_id and stats["model"] == "demo"
+    assert stats["role"] == "colocated"  # (the PD roles': tests/replica/test_pd_roles.py)
     assert {"num_running", "num_free_blocks", "num_blocks"} <= stats.keys()
     replica.check_health()
     info = asyncio.run(replica.device_info())

@@ -17,6 +17,8 @@ from serve_app.messages import DecodeRequest, ReplicaRequest
 from serve_app.replica.model_replica import ModelReplica
 from serve_app.replica.output_processor import OutputProcessor
 
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
+
 MAX_ITER = 24
 CONFIG = {
     "BackendConfig": {
@@ -41,13 +43,6 @@ SPLIT_CHAR = "龘"  # two tokens in the Qwen2 vocabulary, the first one half a c
 
 
 @pytest.fixture(scope="module")
-def colocated():
-    replica = ModelReplica(load_config(CONFIG))
-    yield replica
-    replica.shutdown()
-
-
-@pytest.fixture(scope="module")
 def prefill():
     replica = ModelReplica(load_config(CONFIG), role="prefill", connector="local")
     yield replica
@@ -62,8 +57,8 @@ def decode():
 
 
 @pytest.fixture(scope="module")
-def prompt(colocated):
-    return colocated.tokenizer.encode(PROMPT_TEXT)
+def prompt(prefill):
+    return prefill.tokenizer.encode(PROMPT_TEXT)
 
 
 def params(max_tokens=12, **kw):
@@ -116,8 +111,11 @@ def wait_idle(*replicas, timeout=3.0):
             time.sleep(0.01)
 
 
-def assert_pd_equals_colocated(colocated, prefill, decode, req):
-    expected = collect(colocated, dataclasses.replace(req, request_id="colocated"))
+def assert_pd_equals_colocated(prefill, decode, req):
+    # What a colocated replica streams: `generate`, which a replica of any role runs the same
+    # way (a role only adds `prefill` or `decode`, and names itself in the stats); here the
+    # prefill replica's
+    expected = collect(prefill, dataclasses.replace(req, request_id="colocated"))
     result, chunks = run_pd(prefill, decode, req)
     first = result.chunk
     assert not first.finished and first.error is None and result.transfer is not None
@@ -128,15 +126,15 @@ def assert_pd_equals_colocated(colocated, prefill, decode, req):
     assert pd[-1].choices[-1].finish_reason == expected[-1].choices[-1].finish_reason
     assert pd[-1].choices[-1].num_output_tokens == expected[-1].choices[-1].num_output_tokens
     assert chunks[-1].finished and chunks[-1].num_prompt_tokens == len(req.prompt_token_ids)
-    wait_idle(colocated, prefill, decode)
+    wait_idle(prefill, decode)
     return result, chunks
 
 
 @pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_pd_output_equals_colocated(colocated, prefill, decode, prompt, sampling, stream):
+def test_pd_output_equals_colocated(prefill, decode, prompt, sampling, stream):
     req = request(prompt, params(**sampling), stream=stream, token_texts=True)
-    result, chunks = assert_pd_equals_colocated(colocated, prefill, decode, req)
+    result, chunks = assert_pd_equals_colocated(prefill, decode, req)
     transfer = result.transfer
     assert transfer.connector == "local" and transfer.num_tokens == len(prompt)
     assert transfer.nbytes == 2 * 2 * len(prompt) * 2 * 32 * 4  # K+V, 2 layers, 2 heads x 32
@@ -155,12 +153,12 @@ def test_pd_output_equals_colocated(colocated, prefill, decode, prompt, sampling
     assert chunks[-1].stats["num_kv_imports"] >= 1
 
 
-def test_a_decode_replica_holds_chunks_for_stream_interval(colocated, prefill, decode, prompt):
+def test_a_decode_replica_holds_chunks_for_stream_interval(prefill, decode, prompt):
     """PD with stream_interval 4: the prefill's first token at once, then the decode's first
     chunk (with the hand-off facts) at once, then 4 tokens a chunk; the same tokens and text as
     colocated."""
     req = request(prompt, params(), token_texts=True, stream_interval=4)
-    _, chunks = assert_pd_equals_colocated(colocated, prefill, decode, req)
+    _, chunks = assert_pd_equals_colocated(prefill, decode, req)
     assert [len(c.choices[0].token_ids) for c in chunks] == [1, 4, 4, 2]
     assert chunks[0].handoff_ms is not None
 
@@ -207,19 +205,19 @@ def split_char_params(tokenizer, max_tokens=6):
     return params(max_tokens, constraint=ForcedStart(tuple(forced))), forced
 
 
-def test_first_token_in_the_middle_of_a_character(colocated, prefill, decode, prompt):
-    sampling, forced = split_char_params(colocated.tokenizer)
+def test_first_token_in_the_middle_of_a_character(prefill, decode, prompt):
+    sampling, forced = split_char_params(prefill.tokenizer)
     req = request(prompt, sampling, token_texts=True)
-    result, chunks = assert_pd_equals_colocated(colocated, prefill, decode, req)
+    result, chunks = assert_pd_equals_colocated(prefill, decode, req)
     assert result.first_text_held
     assert result.chunk.choices[0].text == "" and result.chunk.choices[0].token_texts == [""]
     assert chunks[0].choices[0].token_ids[0] == forced[1]
     assert chunks[0].choices[0].text.startswith(SPLIT_CHAR)
 
 
-def test_processor_continues_after_a_held_first_token(colocated, prompt):
+def test_processor_continues_after_a_held_first_token(prefill, prompt):
     """The detokenizer part alone: prefill holds the half character, decode releases it."""
-    tokenizer = colocated.tokenizer
+    tokenizer = prefill.tokenizer
     forced = tokenizer.encode(SPLIT_CHAR + " ok", add_special_tokens=False)
     req = request(prompt, params())
 
@@ -284,10 +282,10 @@ class StuckConnector(LocalConnector):
         await asyncio.Event().wait()
 
 
-def test_lost_kv_is_recomputed_by_default(colocated, prefill, decode, prompt, monkeypatch):
+def test_lost_kv_is_recomputed_by_default(prefill, decode, prompt, monkeypatch):
     monkeypatch.setattr(decode, "connector", LostConnector())
     req = request(prompt, params(**SEEDED))
-    _, chunks = assert_pd_equals_colocated(colocated, prefill, decode, req)
+    _, chunks = assert_pd_equals_colocated(prefill, decode, req)
     assert chunks[0].kv_recomputed and chunks[0].kv_bytes == 0
     assert decode.num_kv_lost >= 1
 
@@ -345,9 +343,10 @@ def test_cancel_during_fetch_and_during_prefill(prefill, decode, prompt, monkeyp
     assert not decode.engine.engine.requests and not prefill.engine.engine.requests
 
 
-def test_stats_name_the_role(prefill, decode, colocated):
-    stats = [asyncio.run(r.stats()) for r in (prefill, decode, colocated)]
-    assert [s["role"] for s in stats] == ["prefill", "decode", "colocated"]
+def test_stats_name_the_role(prefill, decode):
+    # (a colocated replica's: tests/replica/test_model_replica.py)
+    stats = [asyncio.run(r.stats()) for r in (prefill, decode)]
+    assert [s["role"] for s in stats] == ["prefill", "decode"]
     with pytest.raises(ValueError, match="role"):
         ModelReplica(load_config(CONFIG), role="mixed")
 

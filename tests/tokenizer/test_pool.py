@@ -1,14 +1,14 @@
 """TokenizerPool without Ray: each prompt kind, the token-count rules, chat templates."""
 
 import asyncio
-import functools
 
 import pytest
 
 from serve_app.config import load_config
 from serve_app.messages import Rejection, TokenizedPrompt, TokenizeRequest
-from serve_app.tokenizer import pool as pool_module
 from serve_app.tokenizer.pool import TokenizerPool
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
 
 IM_START, IM_END = 151644, 151645
 
@@ -26,16 +26,6 @@ def config(truncation=False):
             "ScheduleConfig": {"maxIterTimes": 64, "maxPrefillTokens": 256},
         }
     }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_tokenizer_per_folder():
-    """Both pools' models are the one demo-tiny folder: its tokenizer is read once (parsing its
-    150k-token vocabulary is most of a pool's start) and shared, which these tests, calling the
-    pools one request at a time, cannot tell from a tokenizer each."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pool_module, "load_tokenizer", functools.cache(pool_module.load_tokenizer))
-        yield
 
 
 @pytest.fixture(scope="module")
