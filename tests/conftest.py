@@ -1,13 +1,15 @@
 """Shared fixtures: the demo models are built once per machine into the cache folder.
 
 `make test` runs pytest on two workers (pytest-xdist `-n 2`), a test file at a time per worker, so
-that module fixtures are built once and a file's tests run in their order. Every test that starts
-Ray (the Serve cluster of tests/serve/, the CLI's own clusters, a local Ray) is in one unit, run
-first, on one worker, in RAY_ORDER: one Ray at a time, as in a plain `pytest` run. The Ray tests
-mostly wait (app start-ups, replicas replaced, Serve draining), so the other worker fills those
-waits with the CPU-bound engine and route tests, at a lower CPU priority (nice 10) so that they
-take only the time the Ray tests leave and the apps start up as fast as in a serial run, and
-with torch on one thread.
+that module fixtures are built once and a file's tests run in their order. The tests that start
+Ray come first, in two units, one on each worker: the commands' own Ray instances
+(tests/cluster/test_cli.py: `ray start`, `serve run`, `make serve`), and everything on the Serve
+test cluster or a local Ray in the same process (tests/serve/, the object-store connector), in
+RAY_ORDER. Each unit mostly waits (Ray start-ups, app deploys, replicas replaced, Serve
+draining), so they share the two cores well, and the tests that find processes tell the units'
+apart by the variable TEST_RUN_ENV that each worker gives what it starts. After its Ray unit a
+worker goes on with the CPU-bound engine and route tests, at a lower CPU priority (nice 10) so
+that they take only the time the other Ray unit leaves, and with torch on one thread.
 """
 
 import contextlib
@@ -20,17 +22,20 @@ import torch
 
 from tests.processes import carrying
 
-# Test files (paths from the repository root) that start or join a Ray instance: one unit, run
-# first, on one worker, in the order below. Ray's start-ups and replica loads take both cores of a
-# 2-core machine, so two Ray units side by side only slowed each other (and the tests that find
-# Ray's processes by name would see the other unit's).
-RAY_TESTS = ("tests/serve/", "tests/cluster/test_cli.py", "tests/disagg/test_connector.py")
-# The Ray unit's files in this order (the others after them): the CLI's own clusters before the
-# serve tests' cluster starts; test_faults.py breaks the app that test_serve_app.py deployed and
-# leaves running for it (one deploy for both).
+# Test files (paths from the repository root) that start or join a Ray instance, and the work
+# unit of each: the CLI's commands start Ray instances of their own (each its own ports and
+# folders), the rest share one Ray in the worker's process.
+RAY_UNITS = {
+    "tests/cluster/test_cli.py": "ray-cli",
+    "tests/serve/": "ray",
+    "tests/disagg/test_connector.py": "ray",
+}
+RAY_TESTS = tuple(RAY_UNITS)
+# The "ray" unit's files in this order (the others after them): the connector's local Ray before
+# the serve tests' cluster starts; test_faults.py breaks the app that test_serve_app.py deployed
+# and leaves running for it (one deploy for both).
 RAY_ORDER = (
-    "tests/cluster/test_cli.py", "tests/disagg/test_connector.py",
-    "tests/serve/test_serve_app.py", "tests/serve/test_faults.py",
+    "tests/disagg/test_connector.py", "tests/serve/test_serve_app.py", "tests/serve/test_faults.py",
 )  # fmt: skip
 # The heaviest test files without Ray (model parity on whole models, engine processes, the
 # benches' own servers): left out of `make test-fast` with RAY_TESTS (marker `slow`).
@@ -48,19 +53,23 @@ SLOW_TESTS = (
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's work units for `-n N` (its default `--dist load`; another --dist is left alone):
-    one per test file, the Ray tests one unit together, handed out first."""
+    one per test file, the Ray tests in their RAY_UNITS, handed out first (one to each worker)."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    units = sorted(set(RAY_UNITS.values()))
+
     class ByFileRayTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::")[0]
-            return "ray" if path.startswith(RAY_TESTS) else path
+            unit = [u for prefix, u in RAY_UNITS.items() if path.startswith(prefix)]
+            return unit[0] if unit else path
 
         def _assign_work_unit(self, node) -> None:
-            if "ray" in self.workqueue:
-                self.workqueue.move_to_end("ray", last=False)
+            for unit in units:
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
             super()._assign_work_unit(node)
 
     return ByFileRayTogether(config, log)

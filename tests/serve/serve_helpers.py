@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import threading
 import time
@@ -14,7 +15,9 @@ import pytest
 
 # bench/ importable by the serve test modules (bench/soak.py, bench/overload.py's helpers)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from overload import engine_processes  # noqa: E402, F401 (for the test modules)
+import overload  # noqa: E402
+
+from tests.processes import carrying  # noqa: E402
 
 EMBEDDING_ENDPOINT = "all-minilm-l6-v2"
 SERVE_TEST_ARGS = {
@@ -262,3 +265,11 @@ def serves_again(url: str) -> None:
         time.sleep(1)
     _NOT_BACK.add(url)
     pytest.fail(f"the app did not serve again within {BACK_WITHIN_S:.0f} s")
+
+
+def engine_processes() -> list:
+    """The engine processes of this test run's Serve replicas (psutil.Process): those that carry
+    this pytest process's SERVE_APP_TEST_RUN, not the ones of the CLI tests' own apps, which the
+    other xdist worker may be running meanwhile."""
+    ours = carrying(f"SERVE_APP_TEST_RUN={os.environ['SERVE_APP_TEST_RUN']}")
+    return [proc for proc in overload.engine_processes() if proc.pid in ours]
