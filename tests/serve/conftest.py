@@ -28,6 +28,14 @@ def cluster():
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    from serve_app.__main__ import RAY_BACKGROUND_ENV
+
+    # Ray's background work as `make serve` sets it, which also starts Ray's workers (every
+    # replica) at normal priority: at Ray's default (nice 15) the replicas starting up here yield
+    # the CPU to the other xdist worker's tests (nice 10), which are not waited for.
+    patch = pytest.MonkeyPatch()
+    for name, value in RAY_BACKGROUND_ENV.items():
+        patch.setenv(name, value)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "include_dashboard": False},
@@ -44,6 +52,7 @@ def cluster():
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
+    patch.undo()
 
 
 @pytest.fixture(scope="module")
