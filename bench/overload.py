@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import httpx
@@ -89,12 +90,15 @@ def engine_processes() -> list:
     return [p for p in psutil.process_iter(["cmdline"]) if _is_engine_process(p)]
 
 
-def replica_rss_mb() -> dict[str, float]:
-    """Resident memory (MB) of the serving processes on this machine, by role."""
+def replica_rss_mb(pids: Collection[int] | None = None) -> dict[str, float]:
+    """Resident memory (MB) of the serving processes on this machine, by role; pids: of those
+    processes only (another server on the same machine left out)."""
     import psutil
 
     roles: dict[str, float] = {}
     for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        if pids is not None and proc.pid not in pids:
+            continue
         role = _serve_deployment(proc)
         if role is None and _is_engine_process(proc):
             role = "engine process"

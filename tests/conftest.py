@@ -1,15 +1,16 @@
 """Shared fixtures: the demo models are built once per machine into the cache folder.
 
-`make test` runs pytest on two workers (pytest-xdist `-n 2`), a test file at a time per worker, so
-that module fixtures are built once and a file's tests run in their order. The tests that start
-Ray come first, in two units, one on each worker: the commands' own Ray instances
-(tests/cluster/test_cli.py: `ray start`, `serve run`, `make serve`), and everything on the Serve
-test cluster or a local Ray in the same process (tests/serve/, the object-store connector), in
-RAY_ORDER. Each unit mostly waits (Ray start-ups, app deploys, replicas replaced, Serve
-draining), so they share the two cores well, and the tests that find processes tell the units'
-apart by the variable TEST_RUN_ENV that each worker gives what it starts. After its Ray unit a
-worker goes on with the CPU-bound engine and route tests, at a lower CPU priority (nice 10) so
-that they take only the time the other Ray unit leaves, and with torch on one thread.
+`make test` runs pytest on three workers (pytest-xdist `-n 3`, on two cores), a test file at a
+time per worker, so that module fixtures are built once and a file's tests run in their order.
+The tests that start Ray come first, in two units, one on each of two workers: the commands' own
+Ray instances (tests/cluster/test_cli.py: `ray start`, `serve run`, `make serve`), and
+everything on the Serve test cluster or a local Ray in the same process (tests/serve/, the
+object-store connector), in RAY_ORDER. Both mostly wait (Ray start-ups, app deploys, replicas
+replaced, Serve draining); the third worker fills those waits with the CPU-bound engine and route
+tests, the heaviest files first, at a lower CPU priority (nice 10) so that they take only the
+time the Ray tests leave, and with torch on one thread; after its Ray unit a worker does the
+same. The tests that find processes tell the units apart by TEST_RUN_ENV, which each worker
+gives what it starts.
 """
 
 import contextlib
@@ -53,7 +54,8 @@ SLOW_TESTS = (
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's work units for `-n N` (its default `--dist load`; another --dist is left alone):
-    one per test file, the Ray tests in their RAY_UNITS, handed out first (one to each worker)."""
+    one per test file, the Ray tests in their RAY_UNITS, handed out first (one to each worker),
+    then the SLOW_TESTS files."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -67,6 +69,9 @@ def pytest_xdist_make_scheduler(config, log):
             return unit[0] if unit else path
 
         def _assign_work_unit(self, node) -> None:
+            # the heaviest files next, so that no long one is left to run alone at the end
+            for unit in [u for u in self.workqueue if u.startswith(SLOW_TESTS)][::-1]:
+                self.workqueue.move_to_end(unit, last=False)
             for unit in units:
                 if unit in self.workqueue:
                     self.workqueue.move_to_end(unit, last=False)

@@ -267,9 +267,17 @@ def serves_again(url: str) -> None:
     pytest.fail(f"the app did not serve again within {BACK_WITHIN_S:.0f} s")
 
 
+def _ours() -> set[int]:
+    """The processes this pytest process started (they carry its SERVE_APP_TEST_RUN): not the
+    CLI tests' own apps, which another xdist worker may be running meanwhile."""
+    return set(carrying(f"SERVE_APP_TEST_RUN={os.environ['SERVE_APP_TEST_RUN']}"))
+
+
 def engine_processes() -> list:
-    """The engine processes of this test run's Serve replicas (psutil.Process): those that carry
-    this pytest process's SERVE_APP_TEST_RUN, not the ones of the CLI tests' own apps, which the
-    other xdist worker may be running meanwhile."""
-    ours = carrying(f"SERVE_APP_TEST_RUN={os.environ['SERVE_APP_TEST_RUN']}")
-    return [proc for proc in overload.engine_processes() if proc.pid in ours]
+    """The engine processes of the test cluster's model replicas (psutil.Process)."""
+    return [proc for proc in overload.engine_processes() if proc.pid in _ours()]
+
+
+def replica_rss_mb() -> dict[str, float]:
+    """Resident memory (MB) of the test cluster's replicas and engine processes, by role."""
+    return overload.replica_rss_mb(_ours())
