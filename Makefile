@@ -33,7 +33,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check serve_app tests bench
-	$(BIN)/python -m pytest -q --durations=15 -n 3
+	$(BIN)/python -m pytest -q --durations=15 -n 2
 
 # The inner loop: everything but the tests that start Ray or a server (marker `ray`) and the
 # heaviest files (marker `slow`; both listed in tests/conftest.py). CI runs `make test`.

@@ -1,15 +1,16 @@
 """Shared fixtures: the demo models are built once per machine into the cache folder.
 
-`make test` runs pytest on three workers (pytest-xdist `-n 3`, on two cores), a test file at a
-time per worker, so that module fixtures are built once and a file's tests run in their order.
-The tests that start Ray come first, in two units, one on each of two workers: the commands' own
-Ray instances (tests/cluster/test_cli.py: `ray start`, `serve run`, `make serve`), and
-everything on the Serve test cluster or a local Ray in the same process (tests/serve/, the
-object-store connector), in RAY_ORDER. Both mostly wait (Ray start-ups, app deploys, replicas
-replaced, Serve draining); the third worker fills those waits with the CPU-bound engine and route
-tests, the heaviest files first, at a lower CPU priority (nice 10) so that they take only the
-time the Ray tests leave, and with torch on one thread; after its Ray unit a worker does the
-same. The tests that find processes tell the units apart by TEST_RUN_ENV, which each worker
+`make test` runs pytest on two workers (pytest-xdist `-n 2`), a test file at a time per worker, so
+that module fixtures are built once and a file's tests run in their order. The tests that start
+Ray come first, in two units, one on each worker: the commands' own Ray instances
+(tests/cluster/test_cli.py: `ray start`, `serve run`, `make serve`), and everything on the Serve
+test cluster or a local Ray in the same process (tests/serve/, the object-store connector), in
+RAY_ORDER. Both mostly wait (Ray start-ups, app deploys, replicas replaced, Serve draining) and
+use the CPU in bursts, so they share the two cores well; a third worker to fill their waits
+lowered the idle time but not the run's (measured), at more CPU. After its Ray unit a worker
+runs the CPU-bound engine and route tests, the heaviest files first, at a lower CPU priority
+(nice 10) so that they take only the time the other Ray unit leaves, and with torch on one
+thread. The tests that find processes tell the units apart by TEST_RUN_ENV, which each worker
 gives what it starts.
 """
 
