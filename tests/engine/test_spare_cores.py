@@ -198,11 +198,12 @@ def _jobs_found(spin_us):
 
 def test_a_helper_waits_awake_for_the_next_job_of_a_step(one_thread_off_the_helpers_core):
     # a step's jobs follow each other faster than a sleeping thread wakes: a helper spins a
-    # while after each job and finds the next one awake; without the spin it sleeps after
-    # most jobs (on a busy core, a helper preempted before it could sleep may still find the
-    # next job awake: compared as shares, not counts)
+    # while after each job and finds most next ones awake; without the spin it sleeps after
+    # most jobs. Compared as shares, not counts, and with a margin: on a busy core a helper
+    # preempted before it could sleep may still find the next job awake, and one kept off its
+    # core for longer than its spin (it runs at idle priority) sleeps for all its spinning.
     awake, slept = _jobs_found(spin_us=1_000_000)
-    assert awake > 10 * slept
+    assert awake > 3 * slept
     awake_without, slept_without = _jobs_found(spin_us=0)
     assert slept_without > 0
     assert awake * slept_without > 2 * awake_without * slept  # the odds at least doubled
