@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from tests.processes import carrying
+from tests.processes import TEST_RUN_ENV, started_by_this_run
 
 # Test files (paths from the repository root) that start or join a Ray instance, and the work
 # unit of each: the CLI's commands start Ray instances of their own (each its own ports and
@@ -81,9 +81,7 @@ def pytest_xdist_make_scheduler(config, log):
     return ByFileRayTogether(config, log)
 
 
-# Every process a test starts (Ray's daemons and workers, servers, engine processes) inherits this
-# variable, set per pytest process before any test runs; at the session's end none may be left.
-TEST_RUN_ENV = "SERVE_APP_TEST_RUN"
+# At the session's end no process the tests started (TEST_RUN_ENV) may be left.
 LEFTOVER_WAIT_S = 30  # Ray's workers exit a few seconds after the cluster is shut down
 
 
@@ -99,8 +97,7 @@ def no_process_outlives_the_session():
     if not os.path.isdir("/proc"):
         return
     deadline = time.monotonic() + LEFTOVER_WAIT_S
-    marker = f"{TEST_RUN_ENV}={os.environ[TEST_RUN_ENV]}"
-    while (left := carrying(marker)) and time.monotonic() < deadline:
+    while (left := started_by_this_run()) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in left:
         with contextlib.suppress(OSError):

@@ -31,3 +31,14 @@ def carrying(assignment: str) -> dict[int, str]:
         if state != b"Z" and not own_tracker:
             found[int(entry)] = command
     return found
+
+
+# Set per pytest process by tests/conftest.py before any test runs: every process a test starts
+# (Ray's daemons and workers, servers, engine processes) inherits it.
+TEST_RUN_ENV = "SERVE_APP_TEST_RUN"
+
+
+def started_by_this_run() -> dict[int, str]:
+    """pid -> command line of the live processes that this pytest process's tests started (not
+    another xdist worker's)."""
+    return carrying(f"{TEST_RUN_ENV}={os.environ[TEST_RUN_ENV]}")

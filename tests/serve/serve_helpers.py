@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 import threading
 import time
@@ -17,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import overload  # noqa: E402
 
-from tests.processes import carrying  # noqa: E402
+from tests.processes import started_by_this_run  # noqa: E402
 
 EMBEDDING_ENDPOINT = "all-minilm-l6-v2"
 SERVE_TEST_ARGS = {
@@ -267,17 +266,13 @@ def serves_again(url: str) -> None:
     pytest.fail(f"the app did not serve again within {BACK_WITHIN_S:.0f} s")
 
 
-def _ours() -> set[int]:
-    """The processes this pytest process started (they carry its SERVE_APP_TEST_RUN): not the
-    CLI tests' own apps, which another xdist worker may be running meanwhile."""
-    return set(carrying(f"SERVE_APP_TEST_RUN={os.environ['SERVE_APP_TEST_RUN']}"))
-
-
 def engine_processes() -> list:
-    """The engine processes of the test cluster's model replicas (psutil.Process)."""
-    return [proc for proc in overload.engine_processes() if proc.pid in _ours()]
+    """The engine processes of the test cluster's model replicas (psutil.Process): not those of
+    the CLI tests' own apps, which another xdist worker may be running meanwhile."""
+    ours = started_by_this_run()
+    return [proc for proc in overload.engine_processes() if proc.pid in ours]
 
 
 def replica_rss_mb() -> dict[str, float]:
     """Resident memory (MB) of the test cluster's replicas and engine processes, by role."""
-    return overload.replica_rss_mb(_ours())
+    return overload.replica_rss_mb(started_by_this_run())
