@@ -9,19 +9,24 @@ TORCH := torch==2.13.0
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip uv
 
-# Reinstall only when the project metadata changes. torch goes first, pinned to the CPU build,
-# so that no dependency pulls a CUDA wheel.
+# Reinstall only when the project metadata changes. torch goes first, pinned to the CPU build
+# and by pip, so that it comes from wherever pip is set to find it (a local wheel, an index of
+# CPU builds) and no dependency pulls a CUDA wheel; the rest is installed by uv (the same
+# versions pip picks, several times faster; pip again if uv cannot). Neither compiles every
+# module's bytecode up front: Python does it for the modules a process imports, once.
 # Then the built-in SmolLM2 is converted into the model cache once (a no-op when it is there;
-# a replica that finds it missing converts it the same way on first use), and the engine's CPU
+# a replica that finds it missing converts it the same way on first use) while the engine's CPU
 # kernels are compiled into the same cache (likewise; without a C++ compiler the engine runs
 # without them and says so).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test]' $(TORCH)
-	$(BIN)/python -m serve_app.models.smollm2
-	$(BIN)/python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()'
+	$(BIN)/pip install -q --no-compile $(TORCH)
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]' $(TORCH) \
+		|| $(BIN)/pip install -q --no-compile -e '.[test]' $(TORCH)
+	$(BIN)/python -m serve_app.models.smollm2 & convert=$$!; \
+		$(BIN)/python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()' \
+		&& wait $$convert
 	touch $(STAMP)
 
 install: $(STAMP)
