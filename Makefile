@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
+SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
 
 .PHONY: serve test test-fast lint bench install
 
@@ -14,16 +15,18 @@ $(BIN)/python:
 # Reinstall only when the project metadata changes. torch goes first, pinned to the CPU build
 # and by pip, so that it comes from wherever pip is set to find it (a local wheel, an index of
 # CPU builds) and no dependency pulls a CUDA wheel; the rest is installed by uv (the same
-# versions pip picks, several times faster; pip again if uv cannot). Neither compiles every
-# module's bytecode up front: Python does it for the modules a process imports, once.
+# versions pip picks, several times faster; pip again if uv cannot). The bytecode is compiled
+# here, on every core: where PYTHONDONTWRITEBYTECODE is set, a process never writes what it
+# compiles, so every Ray worker and replica would compile torch, Ray and transformers anew.
 # Then the built-in SmolLM2 is converted into the model cache once (a no-op when it is there;
 # a replica that finds it missing converts it the same way on first use) while the engine's CPU
 # kernels are compiled into the same cache (likewise; without a C++ compiler the engine runs
 # without them and says so).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile $(TORCH)
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]' $(TORCH) \
-		|| $(BIN)/pip install -q --no-compile -e '.[test]' $(TORCH)
+	$(BIN)/python -m compileall -q -j 0 $(SITE)/torch > /dev/null || true
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[test]' $(TORCH) \
+		|| $(BIN)/pip install -q -e '.[test]' $(TORCH)
 	$(BIN)/python -m serve_app.models.smollm2 & convert=$$!; \
 		$(BIN)/python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()' \
 		&& wait $$convert
