@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[test]' $(TORCH) \
 		|| $(BIN)/pip install -q -e '.[test]' $(TORCH)
 	$(BIN)/python -m serve_app.models.smollm2 & convert=$$!; \
-		$(BIN)/python -c 'from serve_app.engine import cpu_kernels; cpu_kernels.build()' \
+		$(BIN)/python -m serve_app.engine.backends.cpu.kernels \
 		&& wait $$convert
 	touch $(STAMP)
 

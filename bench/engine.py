@@ -56,7 +56,8 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
 )
 from peers import PeerUnavailable, vllm_python  # noqa: E402
 
-from serve_app.engine import LLM, EngineRequest, SamplingParams, cpu_gemm  # noqa: E402
+from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
+from serve_app.engine.backends.cpu import gemm as cpu_gemm  # noqa: E402
 from serve_app.models.loader import load_model, resolve_model_path  # noqa: E402
 
 WARMUP_TOKENS = 4  # output tokens of every warm-up run

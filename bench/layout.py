@@ -49,12 +49,13 @@ for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importa
 
 from common import RESULTS_DIR, Run, log, machine_info, seeded_prompts  # noqa: E402
 
-from serve_app.engine import cpu_kernels, cpus  # noqa: E402
-from serve_app.engine.cpus import (  # noqa: E402
+from serve_app import placement  # noqa: E402
+from serve_app.engine.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from serve_app.engine.backends.cpu.spare_cores import lend_spare_cores  # noqa: E402
+from serve_app.placement import (  # noqa: E402
     available_cores,
     bind_process,
     format_cpus,
-    lend_spare_cores,
     parse_cpus,
 )
 
@@ -101,7 +102,7 @@ class ProcessArm:
         from engine import kv_blocks  # bench/engine.py's sizing, as the offline arms have it
 
         from serve_app.config import load_config
-        from serve_app.engine.async_engine import AsyncEngine
+        from serve_app.engine.host.async_engine import AsyncEngine
 
         self.args = args
         spec = yaml.safe_load((ROOT / "deployments.yaml").read_text(encoding="utf-8"))
@@ -151,7 +152,7 @@ def check_cores(engine: tuple[int, ...], spare: tuple[int, ...]) -> None:
     if not engine or not spare or set(engine) & set(spare):
         raise SystemExit("layout: --engine-cpus and --spare-cpus must be two disjoint core lists")
     try:
-        cpus.check_cores(set(engine) | set(spare))
+        placement.check_cores(set(engine) | set(spare))
     except ValueError as exc:
         raise SystemExit(f"layout: {exc}") from None
 

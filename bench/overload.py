@@ -74,7 +74,7 @@ def _is_engine_process(proc) -> bool:
     not one of the same command that something else on this machine started (a test, a bench)."""
     import psutil
 
-    if "engine_process import _child_main" not in " ".join(proc.info["cmdline"] or []):
+    if "host.process import _child_main" not in " ".join(proc.info["cmdline"] or []):
         return False
     try:
         parent = proc.parent()

@@ -58,7 +58,7 @@ def resolved_dtype(name: str) -> str:
     where the CPU has bfloat16 arithmetic)."""
     import torch
 
-    from serve_app.engine.device import pick_dtype
+    from serve_app.engine.backends.device import pick_dtype
 
     return str(pick_dtype(name, torch.device("cpu"))).removeprefix("torch.")
 

@@ -214,7 +214,7 @@ def one_tokenizer_per_model():
     folder's is loaded once (by serve_app's own loader) and shared by all of them. Loading one
     parses a 150k-token vocabulary and its merges, most of the start of an engine on a demo
     model. Use it as `pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")`."""
-    from serve_app.engine import model_runner
+    from serve_app.engine.backends import runner as model_runner
     from serve_app.models import loader
     from serve_app.tokenizer import pool
 

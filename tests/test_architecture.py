@@ -131,7 +131,7 @@ def test_processes_without_a_model_do_not_import_the_model_code():
         "import sys, serve_app.ingress.deployment, serve_app.tokenizer.pool, serve_app.app\n"
         "print('torch' in sys.modules)\n"
         "import serve_app.replica.model_replica\n"  # its engine may run in a child process
-        "heavy = ['serve_app.engine.model_runner', 'transformers.modeling_utils']\n"
+        "heavy = ['serve_app.engine.backends.runner', 'transformers.modeling_utils']\n"
         "print([m for m in heavy if m in sys.modules])\n"
         "from serve_app.engine import LLM, SamplingParams\n"  # still there on first use
         "print(LLM.__module__, SamplingParams.__module__)\n"

@@ -13,7 +13,7 @@ from serve_app.config.deployments import Deployments
 from serve_app.config.embedding import EmbeddingConfig, name_problems
 from serve_app.config.server import ServerConfig
 from serve_app.engine.config import MINDIE_ALIASES, EngineConfig
-from serve_app.engine.cpus import parse_cpus, serving_cores
+from serve_app.placement import parse_cpus, serving_cores
 from serve_app.tokenizer.limits import TokenLimits
 
 _ServerConfig, _BackendConfig, _Deployments = ServerConfig, BackendConfig, Deployments

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serve_app.engine import config as engine_config
 from serve_app.engine.config import DEVICES, DTYPES, EngineConfig
-from serve_app.engine.cpus import format_cpus, parse_cpus
+from serve_app.placement import format_cpus, parse_cpus
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 _ENGINE = EngineConfig()  # the engine's defaults are the config's defaults

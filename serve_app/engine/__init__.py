@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 _WHERE = {
     "LLM": "llm",
-    "AsyncEngine": "async_engine",
+    "AsyncEngine": "host.async_engine",
     "CompletionOutput": "outputs",
     "EngineConfig": "config",
     "EngineError": "errors",
@@ -45,9 +45,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from serve_app.engine.async_engine import AsyncEngine
     from serve_app.engine.config import EngineConfig
     from serve_app.engine.errors import EngineError, RequestRejected
+    from serve_app.engine.host.async_engine import AsyncEngine
     from serve_app.engine.inputs import EngineRequest
     from serve_app.engine.llm import LLM
     from serve_app.engine.llm_engine import LLMEngine

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.engine.cpus import format_cpus
+from serve_app.placement import format_cpus
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: device.pick_dtype
 DEVICES = ("auto", "npu", "cuda", "cpu")  # auto: npu if present, else cuda, else cpu
@@ -63,13 +63,13 @@ class EngineConfig:
     token_timeout_s: float = 600.0  # longest gap between two tokens of one request
     e2e_timeout_s: float = 600.0  # longest life of one request
     seed: int = 0  # seed of the shared generator for requests without their own seed
-    # AsyncEngine: the step loop in a child process of its own (engine_process.py), bound to
+    # AsyncEngine: the step loop in a child process of its own (host/process.py), bound to
     # these cores when given (its torch threads = their count), its CPU GEMMs helped by threads
     # on the spare cores at idle priority (csrc/spare_cores.h)
     engine_process: bool = False
     engine_cpus: tuple[int, ...] = ()
     engine_spare_cpus: tuple[int, ...] = ()
-    # CUDA: decode steps run eagerly instead of replaying captured graphs (cuda_graphs.py)
+    # CUDA: decode steps run eagerly instead of replaying captured graphs (backends/cuda/graphs.py)
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

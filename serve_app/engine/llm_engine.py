@@ -12,13 +12,13 @@ import time
 
 import torch
 
+from serve_app.engine.backends.cpu.spare_cores import shared_chunks
+from serve_app.engine.backends.runner import ModelRunner
 from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.cpus import shared_chunks
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.intake import Intake
 from serve_app.engine.kv_cache import KVCacheManager
-from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import RequestOutput, StepMetrics
 from serve_app.engine.params import FinishReason
 from serve_app.engine.sampler import Sampler

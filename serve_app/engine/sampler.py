@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine import cpu_kernels
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
 from serve_app.engine.constraint import ConstraintState
 from serve_app.engine.params import SamplingParams
 

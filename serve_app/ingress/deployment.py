@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app.config import AppConfig
-from serve_app.engine.cpus import bind_process
 from serve_app.ingress.app import create_app
 from serve_app.ingress.backend import RayBackend
 from serve_app.ingress.token_inbox import TokenInbox
+from serve_app.placement import bind_process
 
 
 class Ingress:

@@ -26,9 +26,9 @@ import torch
 
 from serve_app.config import AppConfig
 from serve_app.embedding import Encoder, InputRefused, MicroBatcher
-from serve_app.engine.cpus import bind_process
 from serve_app.messages import EmbedRequest, EmbedResult, ErrorKind, Rejection
 from serve_app.models.loader import resolve_model_path
+from serve_app.placement import bind_process
 
 logger = logging.getLogger(__name__)
 

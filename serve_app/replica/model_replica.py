@@ -21,8 +21,7 @@ from contextlib import aclosing
 from serve_app.config import AppConfig, accelerator_env
 from serve_app.disagg.connector import KVConnector, connector_for
 from serve_app.disagg.handoff import KV_LOSS_POLICIES, Handoff, HandoffFailed, fetch_kv
-from serve_app.engine.async_engine import AsyncEngine
-from serve_app.engine.cpus import bind_process
+from serve_app.engine.host.async_engine import AsyncEngine
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.messages import (
@@ -32,6 +31,7 @@ from serve_app.messages import (
     ReplicaChunk,
     ReplicaRequest,
 )
+from serve_app.placement import bind_process
 from serve_app.replica.output_processor import OutputProcessor
 from serve_app.replica.relay import Relay, chunk_of
 from serve_app.replica.token_outbox import TokenOutbox, ray_node_id

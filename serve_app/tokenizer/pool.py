@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.config import AppConfig
-from serve_app.engine.cpus import bind_process
 from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest, text_of
 from serve_app.models.loader import load_tokenizer, resolve_model_path
+from serve_app.placement import bind_process
 from serve_app.tokenizer.limits import TokenLimitError, TokenLimits, token_ids_prompt
 from serve_app.tokenizer.tools import with_tools
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.engine import cpu_kernels
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ def _fake(title: str, mb: int, parent: str | None = None) -> SimpleNamespace:
     )
 
 
-ENGINE = "python -c from serve_app.engine.engine_process import _child_main; _child_main(5)"
+ENGINE = "python -c from serve_app.engine.host.process import _child_main; _child_main(5)"
 
 
 def test_replica_memory_is_keyed_by_deployment_whatever_method_the_replica_runs(monkeypatch):

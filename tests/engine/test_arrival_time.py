@@ -9,7 +9,7 @@ import time
 import pytest
 
 from serve_app.engine import EngineConfig, SamplingParams
-from serve_app.engine.async_engine import AsyncEngine
+from serve_app.engine.host.async_engine import AsyncEngine
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.engine.llm_engine import LLMEngine

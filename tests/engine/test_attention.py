@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend
 
-from serve_app.engine import attention
+from serve_app.engine.backends import attention
 
 
 def test_cuda_calls_leave_out_cudnns_per_shape_plans(monkeypatch):

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from serve_app.engine import cpu_gemm, cpu_kernels
-from serve_app.engine.device import cpu_has_amx_bf16, cpu_has_fast_bf16
+from serve_app.engine.backends.cpu import gemm as cpu_gemm
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
+from serve_app.engine.backends.device import cpu_has_amx_bf16, cpu_has_fast_bf16
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.supported(torch.device("cpu"), torch.float32),
@@ -280,8 +281,8 @@ def test_a_layer_streams_where_the_kernel_is_faster():
 
 
 def test_the_engine_packs_its_linears_on_cpu():
+    from serve_app.engine.backends.runner import ModelRunner
     from serve_app.engine.config import EngineConfig
-    from serve_app.engine.model_runner import ModelRunner
 
     for dtype, name in [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")]:
         if not cpu_gemm.supported(torch.device("cpu"), dtype):

@@ -1,4 +1,4 @@
-"""The compiled CPU decode attention (serve_app/engine/cpu_kernels.py): the same results as
+"""The compiled CPU decode attention (serve_app/engine/backends/cpu/kernels.py): the same results as
 attention over gathered keys/values, for the shapes models have, and a clean fallback where it
 cannot be built."""
 
@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from serve_app.engine import cpu_kernels
-from serve_app.engine.attention import _attend, _gather
+from serve_app.engine.backends.attention import _attend, _gather
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds(op):
 
 
 def test_the_engine_decodes_through_the_kernel(op):
-    from serve_app.engine.attention_metadata import build_metadata
+    from serve_app.engine.backends.metadata import build_metadata
 
     class Seq:
         def __init__(self, computed, table):
@@ -252,8 +252,11 @@ def test_every_kernel_file_ships_and_counts_in_the_fingerprint():
     import re
     from pathlib import Path
 
-    pyproject = (Path(cpu_kernels.__file__).parents[2] / "pyproject.toml").read_text()
-    line = re.search(r'^"serve_app.engine" = \[(.*)\]', pyproject, re.M)
+    import serve_app
+
+    pyproject = (Path(serve_app.__file__).parents[1] / "pyproject.toml").read_text()
+    package = cpu_kernels.__name__.rpartition(".")[0]
+    line = re.search(rf'^"{re.escape(package)}" = \[(.*)\]', pyproject, re.M)
     globs = re.findall(r'"([^"]+)"', line.group(1))
     for path in cpu_kernels.CSRC.iterdir():
         assert any(path.match(g) for g in globs), f"{path.name} is not package data"
@@ -272,8 +275,8 @@ def test_prompts_attend_through_the_kernel_as_the_masked_path_does(op, dtype):
     # prompts go through sdpa under a causal mask over gathered keys
     from types import SimpleNamespace
 
-    from serve_app.engine.attention import torch_paged_attention
-    from serve_app.engine.attention_metadata import build_metadata
+    from serve_app.engine.backends.attention import torch_paged_attention
+    from serve_app.engine.backends.metadata import build_metadata
 
     class Seq:
         def __init__(self, computed, table):
@@ -335,8 +338,8 @@ def test_zeros_on_huge_pages_are_zeros_at_a_huge_page_asking_for_huge_pages(dtyp
 
 
 def test_the_cpu_kv_cache_is_zeros_on_huge_pages():
+    from serve_app.engine.backends.runner import ModelRunner
     from serve_app.engine.config import EngineConfig
-    from serve_app.engine.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model="demo-tiny", dtype="float32", num_kv_blocks=64))
     for k, v in runner.kv_caches:

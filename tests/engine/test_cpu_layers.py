@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from serve_app.engine import cpu_gemm, cpu_layers
+from serve_app.engine.backends.cpu import gemm as cpu_gemm
+from serve_app.engine.backends.cpu import layers as cpu_layers
+from serve_app.engine.backends.runner import ModelRunner
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.sequence import Sequence
 from serve_app.models.demo import ensure_demo_model
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from serve_app.engine.cpus import bind_process, format_cpus, parse_cpus, serving_cores
+from serve_app.placement import bind_process, format_cpus, parse_cpus, serving_cores
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.engine import LLM, SamplingParams, cpu_kernels, cuda_graphs
+from serve_app.engine import LLM, SamplingParams
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
+from serve_app.engine.backends.cuda import graphs as cuda_graphs
+from serve_app.engine.backends.runner import ModelRunner
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.model_runner import ModelRunner
 from tests.engine.engine_helpers import assert_idle, tokens
 
 pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
@@ -137,7 +139,7 @@ def test_enforce_eager_captures_nothing(monkeypatch):
 
 
 def test_the_engine_info_says_the_decode_steps_are_graphs(graphed, monkeypatch):
-    from serve_app.engine.engine_process import EngineInfo
+    from serve_app.engine.host.process import EngineInfo
 
     info = EngineInfo.of(graphed.engine)
     assert info.decode_graphs == 5

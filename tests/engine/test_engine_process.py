@@ -13,8 +13,8 @@ import signal
 import pytest
 
 from serve_app.engine import EngineConfig, SamplingParams
-from serve_app.engine.async_engine import AsyncEngine
 from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.host.async_engine import AsyncEngine
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.outputs import (
     CompletionOutput,
@@ -106,7 +106,7 @@ def test_leaving_early_aborts_in_the_child_and_frees_its_blocks(process_engine):
 def test_outputs_cross_without_the_prompt_and_get_it_back(process_engine, monkeypatch):
     """Every step's message leaves the prompt ids out (the parent has them); the outputs a
     stream gets have them again."""
-    from serve_app.engine import engine_process
+    from serve_app.engine.host import process as engine_process
 
     read = engine_process.EngineProcess._recv
     crossed = []  # the prompt ids of each output as it came over the socket

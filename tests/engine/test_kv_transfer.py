@@ -286,7 +286,7 @@ def test_import_into_the_npu_backend_layout(colocated, prefill, prompts, monkeyp
     torch_npu): a torch-backend prefill continued on an NPU-backend decode engine."""
     from test_npu_attention import FakeTorchNpu
 
-    from serve_app.engine import npu_attention
+    from serve_app.engine.backends.npu import attention as npu_attention
 
     fake = FakeTorchNpu()
     fake.allow_float32 = True  # compared token for token with a float32 colocated engine

@@ -20,8 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from serve_app.engine import attention, npu_attention
-from serve_app.engine.attention_metadata import build_metadata
+from serve_app.engine.backends import attention
+from serve_app.engine.backends.metadata import build_metadata
+from serve_app.engine.backends.npu import attention as npu_attention
 
 
 def _attend(q, keys, values, scale, visible):
@@ -815,7 +816,7 @@ def test_npu_configs_the_kernels_cannot_run_are_refused_at_load(
 
 
 def test_the_model_runner_checks_the_limits_when_it_picks_the_npu_backend(monkeypatch):
-    from serve_app.engine.model_runner import ModelRunner
+    from serve_app.engine.backends.runner import ModelRunner
 
     seen = []
     monkeypatch.setattr(npu_attention, "check_limits", lambda *args: seen.append(args))
@@ -838,7 +839,7 @@ def test_matches_torch_backend_on_real_npu(case, dtype, heads, kv_heads, head_di
     # The same comparison against the real kernels; runs only where torch_npu sees an NPU.
     # head_dim 64 (SmolLM2, demo) is the TND deviation docs/npu.md argues for: this is where
     # hardware confirms or refutes it.
-    from serve_app.engine.device import npu_available
+    from serve_app.engine.backends.device import npu_available
 
     if not npu_available():
         pytest.skip("needs torch_npu and an Ascend NPU")
@@ -869,7 +870,7 @@ def test_register_adds_attention_and_no_mask():
 def test_imports_without_torch_npu():
     code = (
         "import sys; sys.modules['torch_npu'] = None\n"  # any `import torch_npu` now fails
-        "import serve_app.engine.npu_attention as m\n"
+        "import serve_app.engine.backends.npu.attention as m\n"
         "assert callable(m.npu_paged_attention) and callable(m.register)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -187,7 +187,7 @@ def test_a_constraint_cannot_run_with_beam_search():
 @pytest.mark.parametrize("width", [151936, 49152, 1500, 1031, 1025, 1024, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_argmax_is_torch_argmax(width, dtype, kernel, monkeypatch):
-    from serve_app.engine import cpu_kernels
+    from serve_app.engine.backends.cpu import kernels as cpu_kernels
 
     if kernel:
         assert cpu_kernels.op("argmax_rows") is not None, "the CPU kernels did not build"

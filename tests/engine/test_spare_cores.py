@@ -13,9 +13,12 @@ import os
 import pytest
 import torch
 
-from serve_app.engine import EngineConfig, SamplingParams, cpu_gemm, cpu_kernels, cpus
-from serve_app.engine.async_engine import AsyncEngine
-from serve_app.engine.cpus import CHUNK_KEYS, lend_spare_cores, shared_chunks
+from serve_app.engine import EngineConfig, SamplingParams
+from serve_app.engine.backends.cpu import gemm as cpu_gemm
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
+from serve_app.engine.backends.cpu import spare_cores
+from serve_app.engine.backends.cpu.spare_cores import CHUNK_KEYS, lend_spare_cores, shared_chunks
+from serve_app.engine.host.async_engine import AsyncEngine
 from serve_app.engine.inputs import EngineRequest
 
 use_spare_cpus = cpu_kernels.op("use_spare_cpus")
@@ -370,7 +373,7 @@ def test_spare_cores_need_the_engine_process_and_are_not_its_own():
 
 
 def test_an_engine_without_helpers_reports_no_chunks(monkeypatch):
-    monkeypatch.setattr(cpus, "_chunk_counts", None)
+    monkeypatch.setattr(spare_cores, "_chunk_counts", None)
     assert shared_chunks() == {}
     engine = AsyncEngine(CONFIG)  # on a thread: never lent helpers
     try:
@@ -380,7 +383,7 @@ def test_an_engine_without_helpers_reports_no_chunks(monkeypatch):
 
 
 def test_lent_helpers_count_the_chunks_of_a_shared_gemm(monkeypatch):
-    monkeypatch.setattr(cpus, "_chunk_counts", None)
+    monkeypatch.setattr(spare_cores, "_chunk_counts", None)
     try:
         assert lend_spare_cores([CORE]) == 1
         before = shared_chunks()

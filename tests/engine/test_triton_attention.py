@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from serve_app.engine import triton_attention
-from serve_app.engine.attention_metadata import build_metadata
+from serve_app.engine.backends.cuda import triton_attention
+from serve_app.engine.backends.metadata import build_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def check_attention_with_prompts_on_the_masked_path(device="cpu"):
     """A step of two decodes and two prompt chunks (one after cached tokens): with the Triton
     kernel for the decodes and the prompts still on sdpa (prompt_rows=False, as on CUDA) the
     layer's output is the gather path's."""
-    from serve_app.engine.attention import torch_paged_attention
+    from serve_app.engine.backends.attention import torch_paged_attention
 
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, size = 6, 2, 64, 4

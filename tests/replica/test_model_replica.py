@@ -382,7 +382,7 @@ def test_a_replica_whose_engine_is_bound_keeps_to_the_other_cores():
     import copy
     import os
 
-    from serve_app.engine.cpus import bind_process
+    from serve_app.placement import bind_process
 
     here = sorted(os.sched_getaffinity(0))
     if len(here) < 2:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from serve_app.engine.attention_metadata import AttentionMetadata
+from serve_app.engine.backends.metadata import AttentionMetadata
 
 ATTENTION_NAME = "serve_app_paged"
 # sdpa's backends on CUDA, without cuDNN's: it builds an execution plan for every new shape,

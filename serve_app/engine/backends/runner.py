@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.engine import (
-    attention,
-    cpu_gemm,
-    cpu_kernels,
-    cpu_layers,
-    cuda_graphs,
-    kv_transfer,
-    triton_attention,
-)
-from serve_app.engine.attention_metadata import build_metadata
+from serve_app.engine import kv_transfer
+from serve_app.engine.backends import attention
+from serve_app.engine.backends.cpu import gemm as cpu_gemm
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
+from serve_app.engine.backends.cpu import layers as cpu_layers
+from serve_app.engine.backends.cuda import graphs as cuda_graphs
+from serve_app.engine.backends.cuda import triton_attention
+from serve_app.engine.backends.device import free_memory_bytes, pick_device, pick_dtype
+from serve_app.engine.backends.metadata import build_metadata
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.device import free_memory_bytes, pick_device, pick_dtype
 from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.sequence import Sequence
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
@@ -64,7 +62,7 @@ class ModelRunner:
 
     def _attention_backend(self) -> str:
         if self.device.type == "npu":
-            from serve_app.engine import npu_attention
+            from serve_app.engine.backends.npu import attention as npu_attention
 
             npu_attention.check_limits(self.dtype, self.config.block_size, self.kv_shape[2])
             return npu_attention.register()

@@ -3,7 +3,7 @@ async iterators.
 
 Adding and aborting requests from the event loop goes through an inbox that the step loop
 drains before each step, so the engine itself stays single-threaded. With `engine_process` the
-loop runs in a child process (`engine_process.py`) and the inbox is a socket; otherwise on a
+loop runs in a child process (`process.py`) and the inbox is a socket; otherwise on a
 thread here. A step's outputs go back to each event loop in one `call_soon_threadsafe` (one
 wake-up per step, not one per request), which puts each into its request's queue.
 `generate_batches` hands a consumer everything its request has queued at once: a consumer slower
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.engine_process import EngineInfo, EngineProcess
 from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.host.process import EngineInfo, EngineProcess
+from serve_app.engine.host.step_loop import IDLE_WAIT_S, run_steps
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.outputs import RequestOutput
-from serve_app.engine.step_loop import IDLE_WAIT_S, run_steps
 
 if TYPE_CHECKING:  # with the step loop in a child process, this one imports no model code
     from serve_app.engine.llm_engine import LLMEngine

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from serve_app.engine.config import EngineConfig
-from serve_app.engine.cpus import bind_process, check_cores, format_cpus, lend_spare_cores
+from serve_app.engine.host.step_loop import IDLE_WAIT_S, Items, run_steps
 from serve_app.engine.outputs import pack_step, unpack_step
-from serve_app.engine.step_loop import IDLE_WAIT_S, Items, run_steps
+from serve_app.placement import bind_process, check_cores, format_cpus
 
 # glibc malloc in the engine process (the environment's own settings win): buffers up to 1 GiB
 # come from the heap and freed ones stay there, instead of a fresh mmap (and a page fault per
@@ -185,6 +185,7 @@ def _child_main(fd: int) -> None:
         import torch
 
         torch.set_num_threads(len(config.engine_cpus) or num_threads)
+        from serve_app.engine.backends.cpu.spare_cores import lend_spare_cores
         from serve_app.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)

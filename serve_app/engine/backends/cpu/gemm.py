@@ -13,9 +13,9 @@ match `nn.Linear` to float32 rounding (the kernels sum in another order; in bflo
 may differ from `nn.Linear`'s by one bfloat16 step where its float32 sum is near a tie). Used
 on CPU for float32 and bfloat16 only; other devices and dtypes keep their layers.
 
-Where the engine's `streamed_linear` kernel is built (cpu_kernels.py: AVX-512, or AVX2 and FMA),
+Where the engine's `streamed_linear` kernel is built (kernels.py: AVX-512, or AVX2 and FMA),
 `linear()` gives a `StreamedLinear` instead of a `PackedLinear`, for the LM head, the fused decoder
-layers' projections (cpu_layers.py) and any other Linear alike, in float32, and in bfloat16 except
+layers' projections (layers.py) and any other Linear alike, in float32, and in bfloat16 except
 on CPUs with AMX (`streams`). A decode step multiplies each weight by only a
 few dozen rows, and the weights together are far larger than the caches (the demo's LM head alone
 is 311 MB in float32), so oneDNN's GEMM waits for each weight about as long as it computes; the
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serve_app.engine import cpu_kernels
-from serve_app.engine.device import cpu_has_amx_bf16, cpu_has_fast_bf16
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
+from serve_app.engine.backends.device import cpu_has_amx_bf16, cpu_has_fast_bf16
 
 # The batch size oneDNN picks the blocked layout for; any batch size works with it.
 BATCH_HINT = 32

@@ -1,4 +1,4 @@
-"""The engine's own CPU kernels (serve_app/engine/csrc), compiled on first use.
+"""The engine's own CPU kernels (serve_app/engine/backends/cpu/csrc), compiled on first use.
 
 `op(name)` returns torch.ops.serve_app_cpu.<name>, or None where the kernels cannot be had: no
 C++ compiler or ninja on the machine, a failed build, or SERVE_APP_CPU_KERNELS=0. Then the
@@ -7,7 +7,7 @@ engine keeps its portable torch path and logs why once. The ops:
 - `paged_decode_attention` (`paged_decode_attention()`): decode attention that reads keys and
   values in place in the paged cache (else: gather them, then torch's sdpa);
 - `rms_norm`, `rotary_`: a fused layer's RMSNorm and rotary embedding in one pass each (else:
-  torch's rms_norm and the eager rotary ops; cpu_layers.py).
+  torch's rms_norm and the eager rotary ops; layers.py).
 - `argmax_rows`: greedy sampling's argmax over a step's float32 or bfloat16 logits, exactly
   torch.argmax (else: a chunked torch argmax over float32 logits; sampler.row_argmax).
 - `streamed_linear`: a GEMM that streams its weight, the multiplication overlapping the
@@ -17,12 +17,12 @@ engine keeps its portable torch path and logs why once. The ops:
   with AVX2 and FMA, where it was measured; `op` says None elsewhere. `streamed_bf16_pairs`:
   whether this build multiplies bfloat16 with AVX512-BF16 dot products, on weights packed in
   pairs of k (cpu_gemm.bf16_pairs). `zeros_on_huge_pages`: the zeroed memory StreamedLinear
-  packs its weight into and the CPU KV cache lives in (model_runner.py), on 2 MiB pages where
+  packs its weight into and the CPU KV cache lives in (backends/runner.py), on 2 MiB pages where
   the Linux kernel gives them (fewer TLB misses while a step streams the weights and reads the
   cache; csrc/huge_pages.cpp).
 - `use_spare_cpus`, `spare_cores_stats`: helper threads on spare cores, at idle priority, that
   share the streamed GEMMs, decode attention and the greedy argmax with the calling thread
-  (csrc/spare_cores.h; cpus.lend_spare_cores), and how many chunks the caller, the helpers
+  (csrc/spare_cores.h; spare_cores.lend_spare_cores), and how many chunks the caller, the helpers
   and the caller again (late helpers) computed, how many jobs the helpers found awake
   (spinning after the last one) or only after sleeping, and how many parts of the chunks
   taken back a helper had already put in place.
@@ -31,8 +31,7 @@ The build needs a C++ compiler (g++ or clang++) and ninja (installed with the pr
 PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
 model cache under kernels/<fingerprint of the CPU, torch, the flags and the sources>, so every
 later process, replica and engine process on the machine loads it in milliseconds. `make install`
-builds it ahead of time (`python -c 'from serve_app.engine import cpu_kernels;
-cpu_kernels.build()'`).
+builds it ahead of time (`python -m serve_app.engine.backends.cpu.kernels`).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from serve_app.engine.device import cpu_flags
+from serve_app.engine.backends.device import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -169,3 +168,7 @@ def build() -> None:
     """Build (or find) the kernels now and say so: `make install` runs this ahead of first use."""
     logging.basicConfig(level=logging.INFO)
     print("CPU kernels:", "built" if _loaded() else "not built (see the warning above)")
+
+
+if __name__ == "__main__":
+    build()

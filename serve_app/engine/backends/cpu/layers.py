@@ -12,7 +12,7 @@ matrix products. `FusedDecoderLayer` computes the same layer with:
   which applies SiLU as the gate's GEMM writes, or the engine's streamed kernel where it is built
   and faster, which applies it to the gate as the up projection's GEMM reads it);
 * RMSNorm as transformers computes it (float32 statistics, cast back, then the weight), in one
-  pass by the engine's compiled `rms_norm` (cpu_kernels.py), else torch's fused `rms_norm`;
+  pass by the engine's compiled `rms_norm` (kernels.py), else torch's fused `rms_norm`;
 * the rotary embedding applied once to q and k together, in place in one pass by the compiled
   `rotary_`, else in eager torch ops.
 
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from serve_app.engine import cpu_gemm, cpu_kernels
+from serve_app.engine.backends.cpu import gemm as cpu_gemm
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
 
 # Decoder layer classes whose forward this module reproduces: pre-norm RMSNorm, attention with
 # q/k/v/o projections and a rotary embedding given by the model, a SiLU-gated MLP.

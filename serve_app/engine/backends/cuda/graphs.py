@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from serve_app.engine.attention_metadata import AttentionMetadata
+from serve_app.engine.backends.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from itertools import accumulate
 
 import torch
 
-from serve_app.engine import attention
-from serve_app.engine.attention_metadata import AttentionMetadata
+from serve_app.engine.backends import attention
+from serve_app.engine.backends.metadata import AttentionMetadata
 
 ATTENTION_NAME = "serve_app_npu_paged"
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take a fixed-size 2048x2048 "compressed" causal mask

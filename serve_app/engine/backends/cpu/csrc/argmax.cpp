@@ -8,7 +8,7 @@
 //   loops; pass two, over the row again (now in cache), finds its first position. Where helper
 //   threads run on spare cores (spare_cores.h), the rows are shared with them, one chunk each.
 //
-// Registered as torch.ops.serve_app_cpu.argmax_rows by serve_app/engine/cpu_kernels.py.
+// Registered as torch.ops.serve_app_cpu.argmax_rows by serve_app/engine/backends/cpu/kernels.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

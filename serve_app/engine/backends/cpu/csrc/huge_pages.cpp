@@ -1,6 +1,6 @@
 // Zeroed tensors on 2 MiB pages, for the memory a CPU decode step reads all over: the weights the
 // streamed GEMM reads from end to end (cpu_gemm.StreamedLinear's packed blocks) and the paged KV
-// cache (model_runner.py; decode attention 9 % faster on it).
+// cache (backends/runner.py; decode attention 9 % faster on it).
 //
 // zeros_on_huge_pages(int[] size, ScalarType dtype) -> Tensor
 //

@@ -8,7 +8,7 @@
 //   x * cos + rotate_half(x) * sin, rounded as torch's eager ops round (each product, then the
 //   sum), so the result is transformers' bit for bit.
 //
-// Registered as torch.ops.serve_app_cpu.* by serve_app/engine/cpu_kernels.py.
+// Registered as torch.ops.serve_app_cpu.* by serve_app/engine/backends/cpu/kernels.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

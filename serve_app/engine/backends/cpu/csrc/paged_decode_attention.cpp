@@ -11,7 +11,7 @@
 // Where helper threads run on spare cores (spare_cores.h, ModelConfig engineSpareCpus), the items
 // are shared with them in chunks, each item computed the same way whoever computes it.
 //
-// Built on first use by serve_app/engine/cpu_kernels.py (torch.utils.cpp_extension) and
+// Built on first use by serve_app/engine/backends/cpu/kernels.py (torch.utils.cpp_extension) and
 // registered as torch.ops.serve_app_cpu.paged_decode_attention.
 
 #include <ATen/Parallel.h>

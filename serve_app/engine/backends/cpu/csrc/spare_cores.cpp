@@ -16,7 +16,7 @@
 //   from helpers that were late; jobs helpers found awake, and only after they slept; parts of
 //   chunks taken back that their helper had put in place (the caller computed the rest).
 //
-// Registered as torch.ops.serve_app_cpu.* by serve_app/engine/cpu_kernels.py.
+// Registered as torch.ops.serve_app_cpu.* by serve_app/engine/backends/cpu/kernels.py.
 
 #include "spare_cores.h"
 

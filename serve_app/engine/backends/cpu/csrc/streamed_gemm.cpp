@@ -29,7 +29,7 @@
 // all (AVX2 only); with it, the pairs make this kernel about as fast as oneDNN's on one core,
 // and only this one can be shared with the helpers.
 //
-// Registered as torch.ops.serve_app_cpu.streamed_linear by serve_app/engine/cpu_kernels.py.
+// Registered as torch.ops.serve_app_cpu.streamed_linear by serve_app/engine/backends/cpu/kernels.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

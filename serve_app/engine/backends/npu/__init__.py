@@ -1,0 +1,2 @@
+"""What the engine adds on Ascend NPUs: attention through torch_npu's fused operators
+(`attention`)."""
