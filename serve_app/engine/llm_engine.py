@@ -39,7 +39,7 @@ class LLMEngine:
         self.kv = KVCacheManager(pool)
         self.scheduler = Scheduler(config, self.kv)
         device, kv_caches = self.runner.device, self.runner.kv_caches
-        sampler = Sampler(config.seed, device)
+        sampler = Sampler(config.seed, device, self.runner.backend.argmax)
         self.updater = Updater(
             self.kv,
             sampler,

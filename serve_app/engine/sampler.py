@@ -11,11 +11,11 @@ is exact), without a float32 copy of the step's logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine.backends.cpu import kernels as cpu_kernels
 from serve_app.engine.constraint import ConstraintState
 from serve_app.engine.params import SamplingParams
 
@@ -36,35 +36,6 @@ class SampleResult:
     logprobs: torch.Tensor | None  # [N, V] raw log-softmax, when any row asked for logprobs
     chosen_logprobs: list[float] | None
     top: list[list[tuple[int, float]]] | None  # per row: top-N (token, logprob) alternatives
-
-
-_CHUNK = 128  # row_argmax: elements per chunk
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=1)` for a 2-D tensor, exactly (the first maximum; NaN counts as the
-    largest), faster on CPU for wide rows, where torch's argmax runs ~10x slower than a max
-    reduction (~7.5 ms for 32 x 151936 float32 logits on one thread). With the engine's CPU
-    kernels: their `argmax_rows` (float32 or bfloat16, ~0.4 ms for those logits in bfloat16 on
-    one thread). Else each row's chunk maxima (`amax`, which vectorizes), the first chunk holding
-    the row's maximum, then argmax within that chunk (~0.8 ms in float32)."""
-    rows, width = x.shape
-    if x.device.type != "cpu" or width < 8 * _CHUNK:
-        return x.argmax(dim=1)
-    if x.dtype in _KERNEL_DTYPES and x.stride(1) == 1:
-        kernel = cpu_kernels.op("argmax_rows")
-        if kernel is not None:
-            return kernel(x)
-    full = width - width % _CHUNK
-    maxima = x[:, :full].view(rows, -1, _CHUNK).amax(dim=2)
-    if full < width:  # the last, shorter chunk
-        maxima = torch.cat([maxima, x[:, full:].amax(dim=1, keepdim=True)], dim=1)
-    start = maxima.argmax(dim=1) * _CHUNK
-    # the winning chunk of each row; past the row's end (a short last chunk) the last element
-    # repeats, after the real ones, so argmax's first maximum is still a real position
-    window = (start[:, None] + torch.arange(_CHUNK, device=x.device)).clamp_(max=width - 1)
-    return start + x.gather(1, window).argmax(dim=1)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow], index: list[int]) -> None:
@@ -111,10 +82,22 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
         logits[p_on] = sub.scatter(1, order, sorted_logits)
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=1)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        """argmax: each row's first maximum of a 2-D tensor, as torch's (the device backend's,
+        which may be faster)."""
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.argmax = argmax or _argmax
 
     def __call__(
         self,
@@ -133,7 +116,7 @@ class Sampler:
         masked = [i for i, r in enumerate(rows) if r.constraint is not None]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not (need_logprobs or num_top or penalized or masked or sampled):
-            return SampleResult(row_argmax(logits).tolist(), None, None, None)
+            return SampleResult(self.argmax(logits).tolist(), None, None, None)
         copied = logits.dtype != torch.float32  # widening makes a tensor of our own
         logits = logits.float()
         device = logits.device
@@ -146,7 +129,7 @@ class Sampler:
             _apply_penalties(logits, rows, penalized)
         for i in masked:  # after the penalties: a state ranking candidates sees the final row
             rows[i].constraint.mask(logits[i], rows[i].output_ids, rows[i].remaining)
-        tokens = row_argmax(logits)
+        tokens = self.argmax(logits)
         if sampled:
             idx = torch.tensor(sampled, device=device)
             sub = logits[idx]
@@ -167,7 +150,7 @@ class Sampler:
             for j, i in enumerate(sampled):
                 if rows[i].generator is not None:
                     noise[j].exponential_(generator=rows[i].generator)
-            tokens[idx] = row_argmax(probs / noise)
+            tokens[idx] = self.argmax(probs / noise)
         token_ids = tokens.tolist()
         chosen = top = None
         if logprobs is not None:

@@ -290,8 +290,8 @@ def test_the_engine_packs_its_linears_on_cpu():
         runner = ModelRunner(EngineConfig(model="demo-tiny", dtype=name, num_kv_blocks=4))
         # the decoder layers are fused (q/k/v, o, gate, up and down inside each), the LM head
         # is on its own; every one of them streamed where the kernel is built and faster
-        assert runner.fused_layers == runner.hf_config.num_hidden_layers
-        assert runner.packed_linears == 1
+        assert runner.backend.fused_layers == runner.hf_config.num_hidden_layers
+        assert runner.backend.packed_linears == 1
         kind = cpu_gemm.StreamedLinear if cpu_gemm.streams(dtype) else cpu_gemm.PackedLinear
         assert isinstance(runner.lm_head, kind)
         layer = runner.model.get_decoder().layers[0]
@@ -312,6 +312,6 @@ def test_bfloat16_runs_where_neither_onednn_nor_the_kernel_takes_it(monkeypatch)
     assert not cpu_gemm.supported(torch.device("cpu"), torch.bfloat16)
     llm = LLM("demo-tiny", dtype="bfloat16", num_kv_blocks=8)
     runner = llm.engine.runner
-    assert runner.fused_layers == 0 and runner.packed_linears == 0
+    assert runner.backend.fused_layers == 0 and runner.backend.packed_linears == 0
     [out] = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4

@@ -88,13 +88,13 @@ def _steps(runner):
 def test_fused_layers_give_transformers_logits(model, request, runners):
     model = request.getfixturevalue(model) if model == "tiny_llama" else model
     fused = runners(model, "float32", True)
-    assert fused.fused_layers == fused.hf_config.num_hidden_layers
+    assert fused.backend.fused_layers == fused.hf_config.num_hidden_layers
     assert all(
         isinstance(layer, cpu_layers.FusedDecoderLayer)
         for layer in fused.model.get_decoder().layers
     )
     plain = runners(model, "float32", False)
-    assert plain.fused_layers == 0
+    assert plain.backend.fused_layers == 0
     reference = _steps(plain)
     for got, expect in zip(_steps(fused), reference, strict=True):
         torch.testing.assert_close(got, expect, rtol=0, atol=1e-5 * expect.abs().max().item())

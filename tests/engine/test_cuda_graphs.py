@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from serve_app.engine import LLM, SamplingParams
+from serve_app.engine.backends.cpu import CPUBackend
 from serve_app.engine.backends.cpu import kernels as cpu_kernels
+from serve_app.engine.backends.cuda import CUDABackend
 from serve_app.engine.backends.cuda import graphs as cuda_graphs
 from serve_app.engine.backends.runner import ModelRunner
 from serve_app.engine.config import EngineConfig
@@ -55,7 +57,7 @@ def graphed():
     if not torch.cuda.is_available() and cpu_kernels.paged_decode_attention() is None:
         pytest.skip("the CPU kernels are not built (no C++ compiler)")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ModelRunner, "_use_decode_graphs", lambda self: True)
+        patch.setattr(CPUBackend, "wants_decode_graphs", lambda self: True)
         return LLM(model="demo-tiny", **SETTINGS)
 
 
@@ -129,13 +131,12 @@ def test_what_a_graph_does_not_cover_runs_eagerly(graphed):
 def test_enforce_eager_captures_nothing(monkeypatch):
     config = EngineConfig(model="demo-tiny", enforce_eager=True, **SETTINGS)
     monkeypatch.setattr(ModelRunner, "_capture_decode_graphs", lambda self: pytest.fail())
-    for device in ("cuda", "cpu"):  # what _use_decode_graphs reads, without building a runner
-        runner = ModelRunner.__new__(ModelRunner)
-        runner.config, runner.decode_kernel = config, object()
-        runner.device = type("D", (), {"type": device})()
-        assert runner._use_decode_graphs() is False
-        runner.config = config.replace(enforce_eager=False)
-        assert runner._use_decode_graphs() is (device == "cuda")
+    for kind in (CUDABackend, CPUBackend):  # what they read, without building a runner
+        backend = kind.__new__(kind)
+        backend.config, backend.decode_kernel = config, object()
+        assert backend.wants_decode_graphs() is False
+        backend.config = config.replace(enforce_eager=False)
+        assert backend.wants_decode_graphs() is (kind is CUDABackend)
 
 
 def test_the_engine_info_says_the_decode_steps_are_graphs(graphed, monkeypatch):

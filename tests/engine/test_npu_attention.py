@@ -816,18 +816,14 @@ def test_npu_configs_the_kernels_cannot_run_are_refused_at_load(
 
 
 def test_the_model_runner_checks_the_limits_when_it_picks_the_npu_backend(monkeypatch):
-    from serve_app.engine.backends.runner import ModelRunner
+    from serve_app.engine.backends import backend_for
 
     seen = []
     monkeypatch.setattr(npu_attention, "check_limits", lambda *args: seen.append(args))
     monkeypatch.setattr(npu_attention, "register", lambda: "npu-backend")
-    runner = SimpleNamespace(
-        device=SimpleNamespace(type="npu"),
-        dtype=torch.float32,
-        config=SimpleNamespace(block_size=128),
-        kv_shape=(128, 2, 64),
-    )
-    assert ModelRunner._attention_backend(runner) == "npu-backend"
+    config = SimpleNamespace(block_size=128)
+    backend = backend_for(config, SimpleNamespace(type="npu"), torch.float32)
+    assert backend.attention((128, 2, 64)) == "npu-backend"
     assert seen == [(torch.float32, 128, 64)]
 
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from serve_app.engine.backends.cpu.argmax import row_argmax
 from serve_app.engine.params import SamplingParams
-from serve_app.engine.sampler import Sampler, SampleRow, row_argmax
+from serve_app.engine.sampler import Sampler, SampleRow
 
 VOCAB = 151936
 

@@ -2,8 +2,10 @@
 
 Loads the HF model, owns the paged KV cache tensors, packs a scheduled batch into one forward
 pass (all new tokens concatenated, explicit positions) and returns logits only for the positions
-that sample. On CUDA a step of decodes only replays a CUDA graph captured at start instead
-(cuda_graphs), with a scratch KV block past the pool's for its padding rows.
+that sample. What differs by device is its backend's (`backends.backend_for`): the attention
+the layers call, what is done to the loaded model, how the cache is allocated and sized. Where
+the backend wants them (CUDA), a step of decodes only replays a graph captured at start instead
+(cuda/graphs.py), with a scratch KV block past the pool's for its padding rows.
 """
 
 from __future__ import annotations
@@ -11,13 +13,9 @@ from __future__ import annotations
 import torch
 
 from serve_app.engine import kv_transfer
-from serve_app.engine.backends import attention
-from serve_app.engine.backends.cpu import gemm as cpu_gemm
-from serve_app.engine.backends.cpu import kernels as cpu_kernels
-from serve_app.engine.backends.cpu import layers as cpu_layers
+from serve_app.engine.backends import backend_for
 from serve_app.engine.backends.cuda import graphs as cuda_graphs
-from serve_app.engine.backends.cuda import triton_attention
-from serve_app.engine.backends.device import free_memory_bytes, pick_device, pick_dtype
+from serve_app.engine.backends.device import pick_device, pick_dtype
 from serve_app.engine.backends.metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.kv_transfer import KVPayload
@@ -30,43 +28,20 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.backend = backend_for(config, self.device, self.dtype)
         self.model_path = resolve_model_path(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.hf_config = self.model.config
         self.block_size = config.block_size
-        self.model.set_attn_implementation(self._attention_backend())
-        self.lm_head = self._plain_lm_head()
-        self.packed_linears = 0  # CPU: the decoder's other Linears and the head (cpu_gemm.linear)
-        self.fused_layers = 0  # CPU: decoder layers computed by cpu_layers.FusedDecoderLayer
-        self.decode_kernel = None  # decode attention reading the paged cache in place
-        self.prompt_rows = True  # the kernel takes prompt tokens too, a row each (CPU)
-        if self.device.type == "cuda" and triton_attention.available():
-            self.decode_kernel = triton_attention.paged_decode_attention
-            self.prompt_rows = False  # prompt chunks: one batched sdpa call each step
-        if cpu_gemm.supported(self.device, self.dtype):
-            self.decode_kernel = cpu_kernels.paged_decode_attention()
-            decoder = self.model.get_decoder()
-            hidden_act = getattr(self.hf_config, "hidden_act", None)
-            self.fused_layers = cpu_layers.fuse_decoder_layers(decoder, hidden_act)
-            self.packed_linears = cpu_gemm.pack_linears(decoder)
-            if self.lm_head is not None:
-                self.lm_head = cpu_gemm.linear(self.lm_head.weight)
-                self.packed_linears += 1
+        self.model.set_attn_implementation(self.backend.attention(self.kv_shape))
+        self.lm_head = self.backend.prepare(self.model, self._plain_lm_head())
         self.num_blocks = self._num_blocks()  # the pool's; a scratch block more with graphs
-        graphs = self._use_decode_graphs()
+        graphs = self.backend.wants_decode_graphs()
         self.kv_caches = self._allocate_kv(self.num_blocks + int(graphs))
         self.decode_graphs = self._capture_decode_graphs() if graphs else None
 
     # -- set-up ---------------------------------------------------------------------------------
-
-    def _attention_backend(self) -> str:
-        if self.device.type == "npu":
-            from serve_app.engine.backends.npu import attention as npu_attention
-
-            npu_attention.check_limits(self.dtype, self.config.block_size, self.kv_shape[2])
-            return npu_attention.register()
-        return attention.register()
 
     def _plain_lm_head(self) -> torch.nn.Linear | None:
         """The LM head when logits are just hidden @ W^T (then the runner applies it only at
@@ -96,37 +71,20 @@ class ModelRunner:
             return self.config.num_kv_blocks
         if self.config.kv_cache_mem_gb > 0:
             budget = int(self.config.kv_cache_mem_gb * (1 << 30))
-        elif self.device.type == "cpu":
-            budget = free_memory_bytes(self.device)
         else:
-            budget = int(0.8 * free_memory_bytes(self.device))
+            budget = self.backend.kv_budget_bytes()
         return max(1, budget // self.bytes_per_block)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, *self.kv_shape)
-        huge = cpu_kernels.op("zeros_on_huge_pages") if self.device.type == "cpu" else None
-
-        def zeros() -> torch.Tensor:
-            if huge is None:
-                return torch.zeros(shape, dtype=self.dtype, device=self.device)
-            # on 2 MiB pages where the OS gives them (decode attention reads each sequence's
-            # blocks all over the cache: fewer TLB misses), written now so that the whole
-            # cache is held from the start, as torch.zeros holds it
-            return huge(list(shape), self.dtype).zero_()
-
-        return [(zeros(), zeros()) for _ in range(self.hf_config.num_hidden_layers)]
-
-    def _use_decode_graphs(self) -> bool:
-        """Decode steps as CUDA graphs: on CUDA with the paged decode kernel (the graphs need
-        its device-side lengths), unless enforceEager."""
-        cuda = self.device.type == "cuda"
-        return cuda and self.decode_kernel is not None and not self.config.enforce_eager
+        zeros = self.backend.kv_zeros
+        return [(zeros(shape), zeros(shape)) for _ in range(self.hf_config.num_hidden_layers)]
 
     def _capture_decode_graphs(self) -> cuda_graphs.DecodeGraphs:
         graphs = cuda_graphs.DecodeGraphs(
             self._forward,
             self.kv_caches,
-            self.decode_kernel,
+            self.backend.decode_kernel,
             self.block_size,
             scratch_block=self.num_blocks,  # past the pool's blocks: never handed out
             max_batch=self.config.max_batch_size,
@@ -177,9 +135,10 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             last[i] = len(ids) - 1
+        backend = self.backend
         md = build_metadata(
-            seqs, num_new, self.kv_caches, self.block_size, self.device, self.decode_kernel,
-            self.prompt_rows,
+            seqs, num_new, self.kv_caches, self.block_size, self.device, backend.decode_kernel,
+            backend.prompt_rows,
         )  # fmt: skip
         keep = self._tensor([last[i] for i in sample])
         return self._forward(self._tensor(ids)[None], self._tensor(positions)[None], md, keep)

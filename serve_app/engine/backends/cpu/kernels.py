@@ -9,7 +9,7 @@ engine keeps its portable torch path and logs why once. The ops:
 - `rms_norm`, `rotary_`: a fused layer's RMSNorm and rotary embedding in one pass each (else:
   torch's rms_norm and the eager rotary ops; layers.py).
 - `argmax_rows`: greedy sampling's argmax over a step's float32 or bfloat16 logits, exactly
-  torch.argmax (else: a chunked torch argmax over float32 logits; sampler.row_argmax).
+  torch.argmax (else: a chunked torch argmax over float32 logits; argmax.row_argmax).
 - `streamed_linear`: a GEMM that streams its weight, the multiplication overlapping the
   weight's arrival, with the bias and a residual add or a product applied as it writes: the LM
   head and the fused decoder layers' projections, in float32, and in bfloat16 but on CPUs with
