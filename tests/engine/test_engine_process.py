@@ -77,7 +77,7 @@ def process_engine():
     engine = AsyncEngine(PROCESS.replace(engine_cpus=(CORE,)))
     yield engine
     engine.shutdown()
-    assert engine._process._process.poll() is not None  # shutdown ended the child
+    assert engine._host._process.poll() is not None  # shutdown ended the child
 
 
 def test_a_process_engine_gives_the_threads_tokens(process_engine):
@@ -223,7 +223,7 @@ def test_a_dead_engine_process_ends_every_stream_and_refuses_new_ones():
     async def run():
         stream = engine.generate(EngineRequest("victim", PROMPTS[1], LONG))
         await anext(stream)
-        os.kill(engine._process._process.pid, signal.SIGKILL)
+        os.kill(engine._host.pid, signal.SIGKILL)
         with pytest.raises(EngineError, match="engine process exited"):
             async for _ in stream:
                 pass
@@ -240,7 +240,7 @@ def test_a_dead_engine_process_ends_every_stream_and_refuses_new_ones():
 def test_the_engine_process_binds_to_its_cores_and_threads(process_engine):
     # (that its shutdown ends the child is checked as the module's fixture ends it)
     assert process_engine.info.cpus == (CORE,) and process_engine.info.num_threads == 1
-    pid = process_engine._process._process.pid
+    pid = process_engine._host.pid
     assert os.sched_getaffinity(pid) == {CORE}
     with open(f"/proc/{pid}/environ", "rb") as f:  # big buffers reused from the heap
         assert b"MALLOC_MMAP_THRESHOLD_=" in f.read()
@@ -295,7 +295,7 @@ def test_a_failed_step_ends_the_thread_engine_its_requests_and_refuses_new_ones(
             assert isinstance(result, EngineError) and "engine step failed" in str(result)
             assert "secret" not in str(result)
         assert any("/opt/secret/kernel.py" in r.exc_text for r in caplog.records if r.exc_text)
-        engine._thread.join(timeout=10)  # the loop ends once it has delivered the failures
+        engine._host._thread.join(timeout=10)  # the loop ends once it has delivered the failures
         assert not engine.is_running
         with pytest.raises(EngineError, match="not running"):
             asyncio.run(asyncio.wait_for(_tokens(engine, "after", PROMPTS[0]), timeout=10))

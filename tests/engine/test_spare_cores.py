@@ -342,7 +342,7 @@ def test_the_engine_process_lends_its_gemms_the_spare_cores():
     engine = AsyncEngine(PROCESS.replace(engine_cpus=(cores[1],), engine_spare_cpus=(cores[0],)))
     try:
         assert engine.info.cpus == (cores[1],) and engine.info.spare_cpus == (cores[0],)
-        pid = engine._process._process.pid
+        pid = engine._host.pid
         idle = [
             int(t) for t in os.listdir(f"/proc/{pid}/task")
             if os.sched_getscheduler(int(t)) == os.SCHED_IDLE

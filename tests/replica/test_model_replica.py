@@ -393,7 +393,7 @@ def test_a_replica_whose_engine_is_bound_keeps_to_the_other_cores():
     replica = ModelReplica(load_config(config), off_engine_cores=True)
     try:
         assert os.sched_getaffinity(0) == set(here[:-1])  # the replica: the serving path's
-        assert os.sched_getaffinity(replica.engine._process._process.pid) == {here[-1]}
+        assert os.sched_getaffinity(replica.engine._host.pid) == {here[-1]}
     finally:
         replica.shutdown()
         bind_process(here)

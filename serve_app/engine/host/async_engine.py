@@ -1,11 +1,11 @@
 """The engine for serving: the step loop on a thread or in a process of its own, requests as
 async iterators.
 
-Adding and aborting requests from the event loop goes through an inbox that the step loop
-drains before each step, so the engine itself stays single-threaded. With `engine_process` the
-loop runs in a child process (`process.py`) and the inbox is a socket; otherwise on a
-thread here. A step's outputs go back to each event loop in one `call_soon_threadsafe` (one
-wake-up per step, not one per request), which puts each into its request's queue.
+The step loop runs on a host: a thread of this process (`thread.EngineThread`) or, with
+`engine_process`, a child process of its own (`process.EngineProcess`); both take the same
+messages (add, abort, stop) and hand back each step's outputs, which go to each event loop in
+one `call_soon_threadsafe` (one wake-up per step, not one per request), which puts each into its
+request's queue.
 `generate_batches` hands a consumer everything its request has queued at once: a consumer slower
 than the engine gets the tokens of several steps together, while one that keeps up gets every
 step's output as soon as it exists. `feeding` hands each output to a plain function instead, in
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
@@ -29,7 +27,7 @@ import torch
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.host.process import EngineInfo, EngineProcess
-from serve_app.engine.host.step_loop import IDLE_WAIT_S, run_steps
+from serve_app.engine.host.thread import EngineThread
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.outputs import RequestOutput
 
@@ -47,29 +45,24 @@ class AsyncEngine:
         # request id -> (its event loop, what takes its outputs there, its prompt ids)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Callable, list[int]]] = {}
         self.engine: LLMEngine | None = None  # the in-process engine (thread mode)
-        self._process: EngineProcess | None = None
+        self._host: EngineProcess | EngineThread
         if engine is None and config.engine_process:
             # the child's torch threads: its bound cores, else what this process was given
-            self._process = EngineProcess(
+            self._host = EngineProcess(
                 config, self._deliver_all, self._fail_all, torch.get_num_threads()
             )
-            self.info: EngineInfo = self._process.info
             from serve_app.models.loader import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.info.model_path)
-            return
-        if engine is None:
-            from serve_app.engine.llm_engine import LLMEngine
+            self._tokenizer = load_tokenizer(self._host.info.model_path)
+        else:
+            if engine is None:
+                from serve_app.engine.llm_engine import LLMEngine
 
-            engine = LLMEngine(config)
-        self.engine = engine
-        self.info = EngineInfo.of(self.engine)
-        self._tokenizer = self.engine.tokenizer
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopped = False
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+                engine = LLMEngine(config)
+            self.engine = engine
+            self._tokenizer = engine.tokenizer
+            self._host = EngineThread(engine, self._deliver_all, self._fail_all)
+        self.info: EngineInfo = self._host.info
 
     @property
     def tokenizer(self):
@@ -142,36 +135,20 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """The step loop is alive (a health check replaces a replica whose is not)."""
-        if self._process is not None:
-            return self._process.is_running
-        return self._thread.is_alive()
+        return self._host.is_running
 
     def shutdown(self) -> None:
-        if self._process is not None:
-            self._process.shutdown()
-            return
-        self._send(("stop", None))
-        self._thread.join(timeout=10)
+        self._host.shutdown()
 
     def stats(self) -> dict:
         """The engine's counters: as of its last step when it runs in a process."""
-        if self._process is not None:
-            return dict(self._process.stats)
-        return self.engine.stats()
+        return self._host.stats()
 
     def _send(self, message) -> None:
-        if self._process is not None:
-            if message[0] == "add" and not self._process.is_running:
-                error = EngineError("the engine process is not running")
-                self._deliver_all([(message[1].request_id, error)])
-                return
-            self._process.send(message)
-            return
-        if message[0] == "add" and self._stopped:
+        if message[0] == "add" and not self._host.is_running:
             self._deliver_all([(message[1].request_id, EngineError("the engine is not running"))])
             return
-        self._inbox.put(message)
-        self._wake.set()
+        self._host.send(message)
 
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """Each (request id, output or exception) to what takes its request's outputs: one
@@ -192,27 +169,6 @@ class AsyncEngine:
         """The engine process died: every open stream ends with that failure."""
         failures = [(request_id, EngineError(message)) for request_id in list(self._streams)]
         self._deliver_all(failures)
-
-    def _receive(self, idle: bool) -> list:
-        if idle:
-            self._wake.wait(timeout=IDLE_WAIT_S)
-            self._wake.clear()
-        messages = []
-        while True:
-            try:
-                messages.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return messages
-
-    def _run(self) -> None:
-        try:
-            run_steps(self.engine, self._receive, self._deliver_all)
-        except BaseException:
-            logger.exception("the engine loop crashed")
-        finally:
-            # stopped or dead: nothing will answer a stream any more, so fail those left
-            self._stopped = True
-            self._fail_all("the engine loop is not running")
 
 
 def _put_all(puts: list[tuple[Callable, object]]) -> None:

@@ -129,13 +129,21 @@ class EngineProcess:
                 raise RuntimeError(f"the engine process exited while loading (exit code {code})")
             raise RuntimeError(f"the engine process failed to start:\n{payload}")
         self.info: EngineInfo = payload["info"]
-        self.stats: dict = payload["stats"]
+        self._stats: dict = payload["stats"]
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
 
     @property
     def is_running(self) -> bool:
         return not self._exited and self._process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def stats(self) -> dict:
+        """The engine's counters as of its last step."""
+        return dict(self._stats)
 
     def send(self, message: tuple[str, object]) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -166,7 +174,7 @@ class EngineProcess:
     def _read(self) -> None:
         while True:
             try:
-                packed, self.stats = self._recv()
+                packed, self._stats = self._recv()
             except (EOFError, OSError):
                 break
             self._deliver(unpack_step(packed))
