@@ -156,8 +156,8 @@ def test_the_engine_decodes_through_the_kernel(op):
 
     caches = [(torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16))]
     md = build_metadata([Seq(9, [2, 0]), Seq(3, [1])], [1, 1], caches, 8, torch.device("cpu"), op)
-    assert md.decode_kernel is op and md.decode_slots is None and md.decode_mask is None
-    assert md.decode_context_lens.tolist() == [10, 4]
+    assert md.decode_kernel is op and md.decodes.slots is None and md.decodes.mask is None
+    assert md.decodes.context_lens.tolist() == [10, 4]
 
 
 def test_switched_off_or_unbuildable_means_none_and_a_warning(monkeypatch, caplog, tmp_path):
@@ -299,11 +299,11 @@ def test_prompts_attend_through_the_kernel_as_the_masked_path_does(op, dtype):
         )
         outputs.append(out)
         if kernel is not None:  # rows: every token, each over its sequence up to itself
-            assert md.row_lens.tolist() == [10, 1, 2, 3, 4, 5, 9, 10, 11, 12]
-            assert md.row_tables[0].tolist() == [5, 1, 7]
-            assert md.row_tables[1:6].tolist() == [[0, 3, 0]] * 5
-            assert md.row_tables[6:].tolist() == [[2, 6, 4]] * 4
-            assert md.prefill_mask is None and md.prefill_slots is None
+            assert md.rows.lens.tolist() == [10, 1, 2, 3, 4, 5, 9, 10, 11, 12]
+            assert md.rows.tables[0].tolist() == [5, 1, 7]
+            assert md.rows.tables[1:6].tolist() == [[0, 3, 0]] * 5
+            assert md.rows.tables[6:].tolist() == [[2, 6, 4]] * 4
+            assert md.prompts.mask is None and md.prompts.slots is None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outputs[0], outputs[1], rtol=tol, atol=tol)
 

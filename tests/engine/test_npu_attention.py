@@ -499,7 +499,7 @@ def test_only_fresh_prompts_of_one_length_skip_the_padding():
     dense = set()
     for case in CASES:
         md = _metadata(*_batch(torch.Generator().manual_seed(0), *CASES[case]), caches)
-        if md.prefill_dense:
+        if md.prompts is not None and md.prompts.dense:
             dense.add(case)
     assert dense == {"fresh_prompts_of_one_length", "decodes_and_fresh_prompts_of_one_length"}
 

@@ -115,14 +115,14 @@ def test_metadata_with_a_decode_kernel_but_prompts_on_the_masked_path():
     kernel = triton_attention.paged_decode_attention
     md = build_metadata(seqs, new, [], 4, torch.device("cpu"), kernel, prompt_rows=False)
     assert md.decode_kernel is kernel and md.num_decodes == 1
-    assert md.decode_block_tables.tolist() == [[5, 1, 7]]
-    assert md.decode_context_lens.tolist() == [10]
-    assert md.decode_slots is None and md.decode_mask is None  # the kernel reads the pages
-    assert md.row_lens is None and md.row_tables is None  # prompts are no kernel rows
-    assert md.prefill_mask is not None and md.prefill_slots is not None  # but masked sdpa
+    assert md.decodes.block_tables.tolist() == [[5, 1, 7]]
+    assert md.decodes.context_lens.tolist() == [10]
+    assert md.decodes.slots is None and md.decodes.mask is None  # the kernel reads the pages
+    assert md.rows is None  # prompts are no kernel rows
+    assert md.prompts.mask is not None and md.prompts.slots is not None  # but masked sdpa
     rows = build_metadata(seqs, new, [], 4, torch.device("cpu"), kernel)  # the CPU kernel's way
-    assert rows.row_lens.tolist() == [10, 1, 2, 3, 4, 5, 9, 10, 11, 12]
-    assert rows.prefill_mask is None
+    assert rows.rows.lens.tolist() == [10, 1, 2, 3, 4, 5, 9, 10, 11, 12]
+    assert rows.prompts.mask is None
 
 
 if __name__ == "__main__":  # the child process of test_the_kernel_in_tritons_interpreter

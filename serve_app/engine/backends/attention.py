@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from serve_app.engine.backends.metadata import AttentionMetadata
+from serve_app.engine.backends.metadata import AttentionMetadata, Prompts
 
 ATTENTION_NAME = "serve_app_paged"
 # sdpa's backends on CUDA, without cuDNN's: it builds an execution plan for every new shape,
@@ -68,14 +68,14 @@ def sdpa_backends(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _prefill_bias(md: AttentionMetadata, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The step's prefill mask folded for `group` query heads per KV head and made additive
+def _prefill_bias(prompts: Prompts, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The step's prompt mask folded for `group` query heads per KV head and made additive
     (sdpa turns a boolean mask into this on every call): once per step, not once per layer."""
-    if md.prefill_bias is None:
-        mask = md.prefill_mask.repeat(1, 1, group, 1) if group > 1 else md.prefill_mask
+    if prompts.bias is None:
+        mask = prompts.mask.repeat(1, 1, group, 1) if group > 1 else prompts.mask
         bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        md.prefill_bias = bias.masked_fill_(~mask, float("-inf"))
-    return md.prefill_bias
+        prompts.bias = bias.masked_fill_(~mask, float("-inf"))
+    return prompts.bias
 
 
 def torch_paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -88,38 +88,39 @@ def torch_paged_attention(module, query, key, value, attention_mask, scaling=Non
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
     scale = scaling if scaling is not None else head_dim**-0.5  # the kernels' (sdpa's default)
-    if md.row_lens is not None:  # every token a query row of the kernel
+    if md.rows is not None:  # every token a query row of the kernel
         # q as the projection left it: the kernel reads strided rows
-        out = md.decode_kernel(q, k_cache, v_cache, md.row_tables, md.row_lens, scale)
+        out = md.decode_kernel(q, k_cache, v_cache, md.rows.tables, md.rows.lens, scale)
         return out.unsqueeze(0), None
-    nd = md.num_decodes
+    nd, decodes = md.num_decodes, md.decodes
     if nd and md.decode_kernel is not None:
-        tables, lens = md.decode_block_tables, md.decode_context_lens
+        tables, lens = decodes.block_tables, decodes.context_lens
         decoded = md.decode_kernel(q[:nd], k_cache, v_cache, tables, lens, scale)
     elif nd:
-        keys = _gather(k_cache, md.decode_slots)
-        values = _gather(v_cache, md.decode_slots)
-        decoded = _attend(q[:nd].unsqueeze(2), keys, values, md.decode_mask, scaling).squeeze(2)
+        keys = _gather(k_cache, decodes.slots)
+        values = _gather(v_cache, decodes.slots)
+        decoded = _attend(q[:nd].unsqueeze(2), keys, values, decodes.mask, scaling).squeeze(2)
     if nd == q.shape[0]:  # decodes only: their output is the whole result
         return decoded.unsqueeze(0), None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = decoded
-    bias = _prefill_bias(md, q.shape[1] // num_kv_heads, q.dtype)
-    if md.prefill_dense:  # [Bp * Q, H, D] is [Bp, Q, H, D] as it stands
-        num_q = md.prefill_mask.shape[2]
+    prompts = md.prompts
+    bias = _prefill_bias(prompts, q.shape[1] // num_kv_heads, q.dtype)
+    if prompts.dense:  # [Bp * Q, H, D] is [Bp, Q, H, D] as it stands
+        num_q = prompts.mask.shape[2]
         qp, keys, values = (t[nd:].unflatten(0, (-1, num_q)).transpose(1, 2) for t in (q, k, v))
         out[nd:] = _attend(qp, keys, values, bias, scaling).transpose(1, 2).flatten(0, 1)
         return out.unsqueeze(0), None
-    qp = q[nd:][md.prefill_index].transpose(1, 2)  # [Bp, H, Qmax, D]
-    if md.prefill_slots is None:  # fresh prompts: their own K/V is all there is
-        keys = k[nd:][md.prefill_index].transpose(1, 2)
-        values = v[nd:][md.prefill_index].transpose(1, 2)
+    qp = q[nd:][prompts.index].transpose(1, 2)  # [Bp, H, Qmax, D]
+    if prompts.slots is None:  # fresh prompts: their own K/V is all there is
+        keys = k[nd:][prompts.index].transpose(1, 2)
+        values = v[nd:][prompts.index].transpose(1, 2)
     else:
-        keys = _gather(k_cache, md.prefill_slots)
-        values = _gather(v_cache, md.prefill_slots)
+        keys = _gather(k_cache, prompts.slots)
+        values = _gather(v_cache, prompts.slots)
     o = _attend(qp, keys, values, bias, scaling)
-    out[nd:] = o.transpose(1, 2)[md.prefill_valid]
+    out[nd:] = o.transpose(1, 2)[prompts.valid]
     return out.unsqueeze(0), None
 
 

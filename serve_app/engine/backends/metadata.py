@@ -15,37 +15,58 @@ import torch
 
 
 @dataclass(slots=True)
+class Decodes:
+    """The step's one-token sequences (its first tokens)."""
+
+    block_tables: torch.Tensor  # [Bd, max_blocks]
+    context_lens: torch.Tensor  # [Bd] keys each may see, its own new one included
+    # without a decode kernel: the cache slot of every key position each may read (padding
+    # reads a valid slot), and which of them it may see
+    slots: torch.Tensor | None = None  # [Bd, L]
+    mask: torch.Tensor | None = None  # [Bd, 1, 1, L]
+
+
+@dataclass(slots=True)
+class Prompts:
+    """The step's prompt chunks (after the decodes)."""
+
+    query_lens: torch.Tensor  # [Bp] new tokens of each chunk
+    context_lens: torch.Tensor  # [Bp] cached tokens before the chunk plus the chunk
+    block_tables: torch.Tensor | None = None  # [Bp, max_blocks]; None: no cached context
+    # the masked sdpa path (no kernel rows): the chunks padded into one batch
+    index: torch.Tensor | None = None  # [Bp, Qmax] packed-token index (after decodes)
+    valid: torch.Tensor | None = None  # [Bp, Qmax] real (non-padding) query positions
+    mask: torch.Tensor | None = None  # [Bp, 1, Qmax, L]
+    slots: torch.Tensor | None = None  # [Bp, L] key slots; None: no cached context
+    # chunks all of one length, none with cached context: the packed tokens are the batch as
+    # it is (no gather, no padding)
+    dense: bool = False
+    # mask as sdpa takes it: rows folded for grouped queries, additive, in the queries' dtype;
+    # made by the first layer that needs it, reused by the others
+    bias: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class KernelRows:
+    """Every new token as a query row of the decode kernel, over its sequence's cache up to and
+    including itself (the step's K/V is written before attention): a decode is one row, a
+    prompt chunk one per token."""
+
+    tables: torch.Tensor  # [T, max_blocks]
+    lens: torch.Tensor  # [T]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     num_decodes: int  # the first num_decodes tokens belong to one-token sequences
-    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] True where a key may be seen
-    prefill_index: torch.Tensor | None = None  # [Bp, Qmax] packed-token index (after decodes)
-    prefill_valid: torch.Tensor | None = None  # [Bp, Qmax] real (non-padding) query positions
-    prefill_block_tables: torch.Tensor | None = None  # [Bp, max_blocks]; None: no cached context
-    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qmax, L]
-    # cache slot of every key position each sequence may read (padding reads a valid slot)
-    decode_slots: torch.Tensor | None = None  # [Bd, L]
-    prefill_slots: torch.Tensor | None = None  # [Bp, L]; None: no cached context
-    # NPU backend extras (torch_npu kernels take lengths rather than masks)
-    decode_context_lens: torch.Tensor | None = None
-    prefill_query_lens: torch.Tensor | None = None
-    prefill_context_lens: torch.Tensor | None = None
-    # a kernel reading decode keys/values in place (cpu_kernels, triton_attention): then no
-    # decode_slots/mask; it takes decode_block_tables and decode_context_lens
+    # a kernel reading decode keys/values in place (the CPU kernels, the Triton one): then the
+    # decodes have no slots or mask
     decode_kernel: Callable | None = None
-    # with decode_kernel: every token as a query row of its own, over its sequence's cache up
-    # to and including itself (the step's K/V is written before attention): a decode is one
-    # row, a prompt chunk one per token; then no prefill index, mask or slots
-    row_tables: torch.Tensor | None = None  # [T, max_blocks]
-    row_lens: torch.Tensor | None = None  # [T]
-    # prompt chunks all of one length, none with cached context: the packed tokens are the
-    # batch as it is (no gather, no padding)
-    prefill_dense: bool = False
-    # prefill_mask as sdpa takes it: rows folded for grouped queries, additive, in the
-    # queries' dtype; made by the first layer that needs it, reused by the others
-    prefill_bias: torch.Tensor | None = None
+    decodes: Decodes | None = None
+    prompts: Prompts | None = None
+    rows: KernelRows | None = None  # with decode_kernel, where prompts are kernel rows too
 
 
 def _block_tables(seqs, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -95,48 +116,48 @@ def build_metadata(
         decodes = seqs[:nd]
         lengths = [s.num_computed_tokens + 1 for s in decodes]
         context = tensor(lengths)
-        md.decode_block_tables = _block_tables(decodes, -(-max(lengths) // size), device)
-        md.decode_context_lens = context
+        tables = _block_tables(decodes, -(-max(lengths) // size), device)
+        md.decodes = Decodes(tables, context)
         if decode_kernel is None:
-            md.decode_slots = _key_slots(md.decode_block_tables, max(lengths), size)
+            md.decodes.slots = _key_slots(tables, max(lengths), size)
             keys = torch.arange(max(lengths), device=device)
-            md.decode_mask = (keys[None, :] < context[:, None])[:, None, None, :]
+            md.decodes.mask = (keys[None, :] < context[:, None])[:, None, None, :]
     if every_token and seqs:
         first = [s.num_computed_tokens for s in seqs]
         ends = [f + n for f, n in zip(first, num_new, strict=True)]
         tables = _block_tables(seqs, -(-max(ends) // size), device)
-        md.row_tables = tables.repeat_interleave(tensor(num_new), dim=0)
         rows = [torch.arange(f + 1, e + 1) for f, e in zip(first, ends, strict=True)]
-        md.row_lens = torch.cat(rows).to(device)
+        md.rows = KernelRows(
+            tables.repeat_interleave(tensor(num_new), dim=0), torch.cat(rows).to(device)
+        )
     prompts, lens = seqs[nd:], num_new[nd:]
     if prompts and every_token:  # the lengths and tables the NPU kernels take
         first = [s.num_computed_tokens for s in prompts]
-        md.prefill_query_lens = tensor(lens)
-        md.prefill_context_lens = tensor([f + n for f, n in zip(first, lens, strict=True)])
+        md.prompts = Prompts(
+            tensor(lens), tensor([f + n for f, n in zip(first, lens, strict=True)])
+        )
         if any(first):
-            longest = int(md.prefill_context_lens.max())
-            md.prefill_block_tables = _block_tables(prompts, -(-longest // size), device)
+            longest = int(md.prompts.context_lens.max())
+            md.prompts.block_tables = _block_tables(prompts, -(-longest // size), device)
     elif prompts:
         q_max = max(lens)
         starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
         offsets = torch.arange(q_max)
-        md.prefill_valid = (offsets[None, :] < torch.tensor(lens)[:, None]).to(device)
-        index = (starts[:, None] + offsets[None, :]).clamp(max=sum(lens) - 1)
-        md.prefill_index = index.to(device)
         first = tensor([s.num_computed_tokens for s in prompts])
+        part = md.prompts = Prompts(tensor(lens), first + tensor(lens))
+        part.valid = (offsets[None, :] < torch.tensor(lens)[:, None]).to(device)
+        index = (starts[:, None] + offsets[None, :]).clamp(max=sum(lens) - 1)
+        part.index = index.to(device)
         q_pos = first[:, None] + offsets.to(device)[None, :]  # absolute positions
-        q_pos = torch.where(md.prefill_valid, q_pos, 0)  # padding sees key 0 only
-        context = first + tensor(lens)
-        md.prefill_query_lens = tensor(lens)
-        md.prefill_context_lens = context
+        q_pos = torch.where(part.valid, q_pos, 0)  # padding sees key 0 only
         cached = any(s.num_computed_tokens for s in prompts)
-        md.prefill_dense = len(set(lens)) == 1 and not cached
+        part.dense = len(set(lens)) == 1 and not cached
         if cached:
             longest = max(s.num_computed_tokens + n for s, n in zip(prompts, lens, strict=True))
-            md.prefill_block_tables = _block_tables(prompts, -(-longest // size), device)
-            md.prefill_slots = _key_slots(md.prefill_block_tables, longest, size)
+            part.block_tables = _block_tables(prompts, -(-longest // size), device)
+            part.slots = _key_slots(part.block_tables, longest, size)
             keys = torch.arange(longest, device=device)
         else:
             keys = offsets.to(device)
-        md.prefill_mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]
+        part.mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]
     return md

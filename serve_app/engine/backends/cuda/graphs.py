@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from serve_app.engine.backends.metadata import AttentionMetadata
+from serve_app.engine.backends.metadata import AttentionMetadata, Decodes
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,8 @@ class DecodeGraphs:
             kv_caches=self.kv_caches,
             slot_mapping=slots,
             num_decodes=size,
-            decode_block_tables=tables,
-            decode_context_lens=lens,
             decode_kernel=self.decode_kernel,
+            decodes=Decodes(tables, lens),
         )
         return lambda: self.forward(ids[None], positions[None], md)
 

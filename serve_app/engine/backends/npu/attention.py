@@ -91,28 +91,28 @@ def _step_args(md: AttentionMetadata) -> _StepArgs:
     if _last_step[0] is md:
         return _last_step[1]
     block_size = md.kv_caches[0][0].shape[1]
-    cu_query = kv_lens = None
-    if md.prefill_query_lens is not None:
-        if md.prefill_block_tables is not None and block_size % FIA_BLOCK_ALIGN:
+    cu_query = kv_lens = prefill_tables = None
+    prompts, decodes = md.prompts, md.decodes
+    if prompts is not None:
+        prefill_tables = prompts.block_tables
+        if prefill_tables is not None and block_size % FIA_BLOCK_ALIGN:
             raise ValueError(
                 f"the NPU backend needs block_size to be a multiple of {FIA_BLOCK_ALIGN} "
                 f"(FIA page attention), got {block_size}"
             )
-        cu_query = list(accumulate(md.prefill_query_lens.tolist()))
+        cu_query = list(accumulate(prompts.query_lens.tolist()))
         # Paged FIA reads actual_seq_lengths_kv per sequence (vllm-ascend passes seq_lens_list
         # there); unpaged TND K/V are packed like the queries, so their lengths are cumulative
         # too (vllm-ascend's PrefillNoCache passes actual_seq_lengths_q for both).
-        if md.prefill_block_tables is not None:
-            kv_lens = md.prefill_context_lens.tolist()
+        if prefill_tables is not None:
+            kv_lens = prompts.context_lens.tolist()
         else:
             kv_lens = cu_query
     args = _StepArgs(
         slots=md.slot_mapping.to(torch.int32),
-        decode_tables=_int32(md.decode_block_tables),
-        decode_lens=None
-        if md.decode_context_lens is None
-        else md.decode_context_lens.to("cpu", torch.int32),
-        prefill_tables=_int32(md.prefill_block_tables),
+        decode_tables=None if decodes is None else _int32(decodes.block_tables),
+        decode_lens=None if decodes is None else decodes.context_lens.to("cpu", torch.int32),
+        prefill_tables=_int32(prefill_tables),
         cu_query=cu_query,
         kv_lens=kv_lens,
     )
