@@ -108,6 +108,26 @@ def test_layers_import_downwards(layer, forbidden):
         assert not bad, f"{name} imports {bad}"
 
 
+def test_the_engine_core_imports_no_device_code_and_no_host():
+    """serve_app/engine/ holds what a step is; backends/ is what touches a device (the model
+    runner, one backend per device); host/ is where the step loop runs (a thread, a process).
+    The core imports neither, but for the engine that wires a runner (llm_engine) and the
+    package's own names (AsyncEngine is the host's); the backends import no host
+    (docs/engine.md)."""
+    rooms = ("serve_app.engine.backends", "serve_app.engine.host")
+    wiring = {"serve_app.engine", "serve_app.engine.llm_engine"}
+    for name in MODULES:
+        if not name.startswith("serve_app.engine"):
+            continue
+        if name.startswith(rooms[0]):
+            bad = sorted(m for m in GRAPH[name] if m.startswith(rooms[1]))
+        elif name.startswith(rooms[1]) or name in wiring:
+            continue
+        else:
+            bad = sorted(m for m in GRAPH[name] if m.startswith(rooms))
+        assert not bad, f"{name} imports {bad}"
+
+
 def test_modules_stay_small_or_the_readme_says_why():
     readme = README.read_text(encoding="utf-8")
     for path in MODULES.values():
