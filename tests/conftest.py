@@ -48,7 +48,7 @@ SLOW_TESTS = (
     "tests/engine/test_cpu_gemm.py", "tests/engine/test_kv_transfer.py",
     "tests/engine/test_cuda_graphs.py", "tests/structured/test_structured_engine.py",
     "tests/structured/test_structured_smollm2.py", "tests/models/", "tests/bench/",
-    "tests/ingress/test_fuzz.py",
+    "tests/ingress/test_fuzz.py", "tests/engine/test_instruction_sets.py",
 )  # fmt: skip
 
 

@@ -28,9 +28,10 @@ engine keeps its portable torch path and logs why once. The ops:
   taken back a helper had already put in place.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (installed with the project from
-PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native) and is kept in the
-model cache under kernels/<fingerprint of the CPU, torch, the flags and the sources>, so every
-later process, replica and engine process on the machine loads it in milliseconds. `make install`
+PyPI). It takes a few seconds, is tuned to the machine's CPU (-march=native, or the instruction
+set SERVE_APP_CPU_KERNELS_ARCH names) and is kept in the model cache under kernels/<fingerprint
+of the CPU, torch, the flags and the sources>, so every later process, replica and engine
+process on the machine loads it in milliseconds. `make install`
 builds it ahead of time (`python -m serve_app.engine.backends.cpu.kernels`).
 """
 
@@ -61,6 +62,10 @@ SOURCES = [
 # included by the sources: part of the fingerprint
 HEADERS = [CSRC / "elements.h", CSRC / "spare_cores.h"]
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
+# the instruction set the build targets (-march on x86, -mcpu elsewhere): this CPU's unless set,
+# e.g. "haswell" (AVX2 and FMA, no AVX-512) for nodes of several CPU generations, or to check
+# the AVX2 branches on an AVX-512 machine (the suite does)
+ARCH_SWITCH = "SERVE_APP_CPU_KERNELS_ARCH"
 LIBRARY = "serve_app_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -98,10 +103,11 @@ def _ninja_on_path() -> None:
 
 def _cflags() -> list[str]:
     flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds
+    arch = os.environ.get(ARCH_SWITCH) or "native"
     if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-march=native")
+        flags.append(f"-march={arch}")
     else:
-        flags.append("-mcpu=native")
+        flags.append(f"-mcpu={arch}")
     return flags
 
 
