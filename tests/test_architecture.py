@@ -139,6 +139,16 @@ def test_modules_stay_small_or_the_readme_says_why():
             )
 
 
+def test_kernel_sources_stay_small():
+    """The C++ kernels are held to the Python's cap, with no way out: a source past it is split
+    by concern (csrc/streamed_gemm.cpp's parts, say)."""
+    csrc = sorted((ROOT / "engine" / "backends" / "cpu" / "csrc").glob("*.[ch]*"))
+    assert csrc
+    for path in csrc:
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        assert lines <= MAX_LINES, f"{path.name} has {lines} lines (> {MAX_LINES}): split it"
+
+
 def test_processes_without_a_model_do_not_import_the_model_code():
     # the ingress and the tokenizer pool start in every app and every scale-out, and a model
     # replica whose step loop runs in a child process (engineProcess, the default) holds no

@@ -2,7 +2,7 @@
 
 `op(name)` returns torch.ops.serve_app_cpu.<name>, or None where the kernels cannot be had: no
 C++ compiler or ninja on the machine, a failed build, or SERVE_APP_CPU_KERNELS=0. Then the
-engine keeps its portable torch path and logs why once. The ops:
+engine keeps its portable torch path and logs why once. The ops (their schemas: csrc/ops.cpp):
 
 - `paged_decode_attention` (`paged_decode_attention()`): decode attention that reads keys and
   values in place in the paged cache (else: gather them, then torch's sdpa);
@@ -56,11 +56,11 @@ SOURCES = [
     CSRC / name
     for name in (
         "paged_decode_attention.cpp", "layer_ops.cpp", "argmax.cpp", "streamed_gemm.cpp",
-        "spare_cores.cpp", "huge_pages.cpp",
+        "spare_cores.cpp", "huge_pages.cpp", "ops.cpp",
     )
 ]  # fmt: skip
 # included by the sources: part of the fingerprint
-HEADERS = [CSRC / "elements.h", CSRC / "spare_cores.h"]
+HEADERS = sorted(CSRC.glob("*.h"))
 ENV_SWITCH = "SERVE_APP_CPU_KERNELS"
 # the instruction set the build targets (-march on x86, -mcpu elsewhere): this CPU's unless set,
 # e.g. "haswell" (AVX2 and FMA, no AVX-512) for nodes of several CPU generations, or to check

@@ -8,12 +8,12 @@
 //   loops; pass two, over the row again (now in cache), finds its first position. Where helper
 //   threads run on spare cores (spare_cores.h), the rows are shared with them, one chunk each.
 //
-// Registered as torch.ops.serve_app_cpu.argmax_rows by serve_app/engine/backends/cpu/kernels.py.
+// torch.ops.serve_app_cpu.argmax_rows (ops.cpp).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -100,6 +100,10 @@ void argmax_all(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+}  // namespace
+
+namespace serve_app_cpu {
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [rows, width] with width > 0");
   TORCH_CHECK(x.stride(1) == 1, "x's rows must be contiguous");
@@ -113,8 +117,4 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(serve_app_cpu, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+}  // namespace serve_app_cpu

@@ -18,7 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/accumulate.h>
-#include <torch/library.h>
+#include "ops.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -29,6 +29,10 @@
 namespace {
 
 constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
+
+}  // namespace
+
+namespace serve_app_cpu {
 
 at::Tensor zeros_on_huge_pages(c10::IntArrayRef size, c10::ScalarType dtype) {
   for (const int64_t d : size) TORCH_CHECK(d >= 0, "sizes must be >= 0");
@@ -53,8 +57,4 @@ at::Tensor zeros_on_huge_pages(c10::IntArrayRef size, c10::ScalarType dtype) {
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
-  m.def("zeros_on_huge_pages(int[] size, ScalarType dtype) -> Tensor", &zeros_on_huge_pages);
-}
+}  // namespace serve_app_cpu

@@ -8,13 +8,13 @@
 //   x * cos + rotate_half(x) * sin, rounded as torch's eager ops round (each product, then the
 //   sum), so the result is transformers' bit for bit.
 //
-// Registered as torch.ops.serve_app_cpu.* by serve_app/engine/backends/cpu/kernels.py.
+// torch.ops.serve_app_cpu.rms_norm and rotary_ (ops.cpp).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "ops.h"
 
 #include "elements.h"
 
@@ -54,6 +54,10 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t wi
     }
   });
 }
+
+}  // namespace
+
+namespace serve_app_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, hidden], rows contiguous");
@@ -116,14 +120,4 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) 
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(serve_app_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary_", &rotary_);
-}
+}  // namespace serve_app_cpu

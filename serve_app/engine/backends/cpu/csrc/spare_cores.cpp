@@ -16,13 +16,13 @@
 //   from helpers that were late; jobs helpers found awake, and only after they slept; parts of
 //   chunks taken back that their helper had put in place (the caller computed the rest).
 //
-// Registered as torch.ops.serve_app_cpu.* by serve_app/engine/backends/cpu/kernels.py.
+// torch.ops.serve_app_cpu.use_spare_cpus and spare_cores_stats (ops.cpp).
 
 #include "spare_cores.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
+#include "ops.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -283,29 +283,16 @@ void run_shared(const std::shared_ptr<SharedJob>& job) {
   p.retire(job.get());  // (team_work left no chunk being copied)
 }
 
-}  // namespace serve_app_cpu
-
-namespace {
-
 int64_t use_spare_cpus(c10::ArrayRef<int64_t> cpus, int64_t helper_delay_us,
                        int64_t team_delay_us, int64_t spin_us, int64_t part_delay_us) {
-  return serve_app_cpu::pool().start(cpus.vec(), helper_delay_us, team_delay_us, spin_us,
+  return pool().start(cpus.vec(), helper_delay_us, team_delay_us, spin_us,
                                      part_delay_us);
 }
 
 std::vector<int64_t> spare_cores_stats() {
-  auto& p = serve_app_cpu::pool();
+  auto& p = pool();
   return {p.team_chunks.load(), p.helper_chunks.load(), p.taken_chunks.load(),
           p.jobs_awake.load(), p.jobs_woken.load(), p.parts_kept.load()};
 }
 
-}  // namespace
-
-// no tensor arguments: one kernel for every dispatch key
-TORCH_LIBRARY_FRAGMENT(serve_app_cpu, m) {
-  m.def(
-      "use_spare_cpus(int[] cpus, int helper_delay_us=0, int team_delay_us=0, int spin_us=5000, "
-      "int part_delay_us=0) -> int",
-      &use_spare_cpus);
-  m.def("spare_cores_stats() -> int[]", &spare_cores_stats);
-}
+}  // namespace serve_app_cpu
