@@ -49,4 +49,4 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not ray and not slow"
 
 bench: $(STAMP)
-	$(BIN)/python bench/engine.py
+	$(BIN)/python -m bench.engine

@@ -1,9 +1,9 @@
 """Engine throughput benchmark: our engine against transformers' own ways of generating.
 
-    .venv/bin/python bench/engine.py              # 32 x 128-token prompts x 128 tokens, fp32+bf16
-    .venv/bin/python bench/engine.py --quick      # 8 x 32 x 16 smoke test (under ~2 minutes)
-    .venv/bin/python bench/engine.py --dtype float32 --repeats 3
-    .venv/bin/python bench/engine.py --model smollm2-135m-instruct   # the real built-in model
+    .venv/bin/python -m bench.engine              # 32 x 128-token prompts x 128 tokens, fp32+bf16
+    .venv/bin/python -m bench.engine --quick      # 8 x 32 x 16 smoke test (under ~2 minutes)
+    .venv/bin/python -m bench.engine --dtype float32 --repeats 3
+    .venv/bin/python -m bench.engine --model smollm2-135m-instruct   # the real built-in model
 
 Every system generates the same greedy, EOS-free workload on the demo model (or --model), after
 a short warm-up, and is scored as output tokens / wall seconds. See bench/README.md for what each
@@ -40,11 +40,8 @@ from transformers.generation.streamers import BaseStreamer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importable by a test
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
-from common import (  # noqa: E402  (bench/common.py, next to this script)
+from bench.common import (  # noqa: E402  (bench/common.py, next to this script)
     RESULTS_DIR,
     VOCAB_REGULAR,
     Run,
@@ -54,8 +51,7 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     percentile,
     seeded_prompts,
 )
-from peers import PeerUnavailable, vllm_python  # noqa: E402
-
+from bench.peers import PeerUnavailable, vllm_python  # noqa: E402
 from serve_app.engine import LLM, EngineRequest, SamplingParams  # noqa: E402
 from serve_app.engine.backends.cpu import gemm as cpu_gemm  # noqa: E402
 from serve_app.models.loader import load_model, resolve_model_path  # noqa: E402

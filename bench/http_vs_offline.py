@@ -1,8 +1,8 @@
 """How much of the offline engine's throughput the server keeps over HTTP, measured in pairs.
 
-    .venv/bin/python bench/http_vs_offline.py                  # bench/demo.yaml, 3 pairs
-    .venv/bin/python bench/http_vs_offline.py --dtype float32 --pairs 5
-    .venv/bin/python bench/http_vs_offline.py --config my-deployments.yaml --concurrency 64
+    .venv/bin/python -m bench.http_vs_offline                  # bench/demo.yaml, 3 pairs
+    .venv/bin/python -m bench.http_vs_offline --dtype float32 --pairs 5
+    .venv/bin/python -m bench.http_vs_offline --config my-deployments.yaml --concurrency 64
 
 Each pair measures the same workload twice, one after the other, with nothing else running:
 
@@ -37,12 +37,9 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importable by a test
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
-from common import RESULTS_DIR, VOCAB_REGULAR, Run, log, machine_info  # noqa: E402
-from server_process import (  # noqa: E402
+from bench.common import RESULTS_DIR, VOCAB_REGULAR, Run, log, machine_info  # noqa: E402
+from bench.server_process import (  # noqa: E402
     START_TIMEOUT_S,
     first_model,
     resolved_dtype,
@@ -58,7 +55,7 @@ from server_process import (  # noqa: E402
 def measure_http(url: str, pid: int, model: str, vocab: int, args, out: Path) -> dict:
     """bench/serve.py at `--concurrency` streams against the server (base URL `url`, process
     `pid`): the level's figures."""
-    import serve as load  # bench/serve.py
+    from bench import serve as load
 
     argv = [f"--target=ours={url}/v1", f"--model={model}", f"--server-pid={pid}",
             "--token-ids", f"--vocab-size={vocab}", "--ignore-eos",
@@ -72,7 +69,7 @@ def measure_http(url: str, pid: int, model: str, vocab: int, args, out: Path) ->
 
 
 def offline_command(weights: str, dtype: str, args, out: Path) -> list[str]:
-    return [sys.executable, str(HERE / "engine.py"), f"--model={weights}", f"--dtype={dtype}",
+    return [sys.executable, "-m", "bench.engine", f"--model={weights}", f"--dtype={dtype}",
             f"--requests={args.concurrency}", f"--prompt-len={args.prompt_len}",
             f"--output-len={args.output_len}", f"--repeats={args.repeats}", "--one-at-a-time=1",
             "--hf-budget=0", f"--out={out}"]  # fmt: skip

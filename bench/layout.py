@@ -1,8 +1,8 @@
 """The engine in the server's CPU layout against torch's threads on every core, in one process.
 
-    .venv/bin/python bench/layout.py                          # demo, bfloat16, 32 x 128 x 128
-    .venv/bin/python bench/layout.py --engine-cpus 3 --spare-cpus 0-2 --rounds 6
-    .venv/bin/python bench/layout.py --dtype float32 --out bench/results/layout-fp32.json
+    .venv/bin/python -m bench.layout                          # demo, bfloat16, 32 x 128 x 128
+    .venv/bin/python -m bench.layout --engine-cpus 3 --spare-cpus 0-2 --rounds 6
+    .venv/bin/python -m bench.layout --dtype float32 --out bench/results/layout-fp32.json
 
 The server's default layout on CPU (deployments.yaml: engineProcess, engineCpus, engineSpareCpus)
 runs the step loop on its own cores with a torch thread each and lends it helper threads on the
@@ -43,12 +43,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for path in (ROOT, HERE):  # runnable as a plain script from a checkout, importable by a test
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
-from common import RESULTS_DIR, Run, log, machine_info, seeded_prompts  # noqa: E402
-
+from bench.common import RESULTS_DIR, Run, log, machine_info, seeded_prompts  # noqa: E402
 from serve_app import placement  # noqa: E402
 from serve_app.engine.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from serve_app.engine.backends.cpu.spare_cores import lend_spare_cores  # noqa: E402
@@ -99,8 +95,8 @@ class ProcessArm:
         import dataclasses
 
         import yaml
-        from engine import kv_blocks  # bench/engine.py's sizing, as the offline arms have it
 
+        from bench.engine import kv_blocks  # bench/engine.py's sizing, as the offline arms have it
         from serve_app.config import load_config
         from serve_app.engine.host.async_engine import AsyncEngine
 
@@ -170,7 +166,7 @@ def engine_args(args) -> argparse.Namespace:
 def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
     """The prompts together (bench/engine.py's `ours_steps`): the first step (every prefill),
     the decode steps' median, and output tokens (each prompt's `output_len`) per second."""
-    from engine import ours_steps
+    from bench.engine import ours_steps
 
     steps = ours_steps(llm, prompts, output_len)
     return {
@@ -310,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     every = available_cores()
     check_cores(args.engine, args.spare)
-    from engine import build_ours  # bench/engine.py: the same engine sizing as the offline figure
+    from bench.engine import (
+        build_ours,  # bench/engine.py: the same engine sizing as the offline figure
+    )
 
     run = Run.begin(machine_info(("torch",)))
     log(f"loading {args.model} ({args.dtype}) ...")

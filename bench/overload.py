@@ -1,8 +1,8 @@
 """Overload benchmark: a server driven at several times the rate it can sustain.
 
-    .venv/bin/python bench/overload.py                 # starts the demo server, maxLinkNum 32
-    .venv/bin/python bench/overload.py --max-link-num 64 --factor 4 --duration 60
-    .venv/bin/python bench/overload.py --url http://127.0.0.1:8000 --model demo  # a running one
+    .venv/bin/python -m bench.overload                 # starts the demo server, maxLinkNum 32
+    .venv/bin/python -m bench.overload --max-link-num 64 --factor 4 --duration 60
+    .venv/bin/python -m bench.overload --url http://127.0.0.1:8000 --model demo  # a running one
 
 Without --url it starts `python -m serve_app` (what `make serve` runs) on a copy of --config
 (default bench/demo.yaml) that differs in `ServerConfig.maxLinkNum` and the port. Then:
@@ -36,13 +36,11 @@ import httpx
 import yaml
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
 
-import server_process  # noqa: E402
-from common import RESULTS_DIR, Run, log, machine_info, percentile_ms, random_token_ids  # noqa: E402
-from serve import Record, send, session  # noqa: E402  (bench/serve.py: one streamed request)
-from server_process import stop_server, wait_ready  # noqa: E402
+from bench import server_process  # noqa: E402
+from bench.common import RESULTS_DIR, Run, log, machine_info, percentile_ms, random_token_ids  # noqa: E402
+from bench.serve import Record, send, session  # noqa: E402  (bench/serve.py: one streamed request)
+from bench.server_process import stop_server, wait_ready  # noqa: E402
 
 ROOT = HERE.parent
 REFUSED = ("HTTP 503", "HTTP 429")

@@ -1,8 +1,8 @@
 """PD benchmark: colocated vs prefill/decode disaggregation under long-prompt interference.
 
-    .venv/bin/python bench/pd.py                   # 60 s per mode, demo model, fp32 (~5 min)
-    .venv/bin/python bench/pd.py --quick           # 20 s per mode (~2-3 min)
-    .venv/bin/python bench/pd.py --model demo-tiny --duration 30
+    .venv/bin/python -m bench.pd                   # 60 s per mode, demo model, fp32 (~5 min)
+    .venv/bin/python -m bench.pd --quick           # 20 s per mode (~2-3 min)
+    .venv/bin/python -m bench.pd --model demo-tiny --duration 30
 
 One Ray instance (2 CPUs), one Serve HTTP proxy; the app is deployed twice in turn with the same
 model and limits: colocated (inferMode standard, one ModelReplica with num_cpus 2) and PD
@@ -27,10 +27,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # runnable as a plain script from a checkout
-    sys.path.insert(0, str(ROOT))
 
-from common import (  # noqa: E402  (bench/common.py, next to this script)
+from bench.common import (  # noqa: E402  (bench/common.py, next to this script)
     RESULTS_DIR,
     Run,
     gaps,
@@ -40,9 +38,8 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     percentile_ms,
     random_token_ids,
 )
-from peers import free_port  # noqa: E402
-from server_process import wait_ready  # noqa: E402
-
+from bench.peers import free_port  # noqa: E402
+from bench.server_process import wait_ready  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 
 APP = "serve_app_bench_pd"

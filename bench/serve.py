@@ -1,15 +1,15 @@
 """Serving load generator: streams requests at any OpenAI-compatible server and sweeps the load.
 
     # our server (`make serve CONFIG=bench/demo.yaml`: the model `demo` at 127.0.0.1:8000/v1)
-    .venv/bin/python bench/serve.py --target ours=http://127.0.0.1:8000/v1 \\
+    .venv/bin/python -m bench.serve --target ours=http://127.0.0.1:8000/v1 \\
         --prompt-len uniform:64:256 --output-len 128 --ignore-eos --concurrency 1,4,16
 
     # ours started and stopped by the bench from a Serve config, then vLLM's CPU build on the
     # same weights: each server measured with the machine to itself
-    .venv/bin/python bench/serve.py --serve bench/demo.yaml --peers vllm --token-ids --ignore-eos
+    .venv/bin/python -m bench.serve --serve bench/demo.yaml --peers vllm --token-ids --ignore-eos
 
     # ours against a vLLM server on port 8001 (same model weights), one line per system
-    .venv/bin/python bench/serve.py --target ours=http://127.0.0.1:8000/v1 \\
+    .venv/bin/python -m bench.serve --target ours=http://127.0.0.1:8000/v1 \\
         --target vllm=http://127.0.0.1:8001/v1 --model demo --api chat --ignore-eos
 
 Every request streams (`stream: true`); per request it records the time to the first chunk
@@ -41,10 +41,8 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # importable from a test, not only runnable as a script
-    sys.path.insert(0, str(HERE))
 
-from common import (  # noqa: E402  (bench/common.py, next to this script)
+from bench.common import (  # noqa: E402  (bench/common.py, next to this script)
     RESULTS_DIR,
     VOCAB_REGULAR,
     Run,
@@ -54,9 +52,9 @@ from common import (  # noqa: E402  (bench/common.py, next to this script)
     percentile_ms,
     random_token_ids,
 )
-from peers import REFUSES, Peer, PeerUnavailable, parse_peers  # noqa: E402
-from proc_cpu import TreeCPU  # noqa: E402
-from server_process import (  # noqa: E402
+from bench.peers import REFUSES, Peer, PeerUnavailable, parse_peers  # noqa: E402
+from bench.proc_cpu import TreeCPU  # noqa: E402
+from bench.server_process import (  # noqa: E402
     START_TIMEOUT_S,
     first_model,
     resolved_dtype,
@@ -65,7 +63,7 @@ from server_process import (  # noqa: E402
     stop_server,
     wait_ready,
 )
-from sse_client import HTTPStatusError, StreamClient  # noqa: E402
+from bench.sse_client import HTTPStatusError, StreamClient  # noqa: E402
 
 try:  # parses a chunk's JSON ~5x faster than json; strict, so json takes what it refuses
     from orjson import loads as _fast_loads

@@ -17,9 +17,10 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from common import log
-from peers import free_port
-from proc_cpu import session_processes
+
+from bench.common import log
+from bench.peers import free_port
+from bench.proc_cpu import session_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 90.0  # Ctrl-C to gone; then what is left is killed

@@ -1,8 +1,8 @@
 """Soak: mixed traffic for a long while, then everything back to idle.
 
-    .venv/bin/python bench/soak.py                        # starts the demo server, 10 minutes
-    .venv/bin/python bench/soak.py --duration 60          # the CI length
-    .venv/bin/python bench/soak.py --url http://127.0.0.1:8000 --model demo   # a running one
+    .venv/bin/python -m bench.soak                        # starts the demo server, 10 minutes
+    .venv/bin/python -m bench.soak --duration 60          # the CI length
+    .venv/bin/python -m bench.soak --url http://127.0.0.1:8000 --model demo   # a running one
 
 --clients concurrent loops each pick, at random, one request of every API family (MindIE
 /infer stream and not, OpenAI chat and completions stream and not, Triton generate and
@@ -31,12 +31,10 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
 
-from common import RESULTS_DIR, Run, log, machine_info  # noqa: E402
-from overload import replica_rss_mb, scrape, start_server  # noqa: E402
-from server_process import stop_server, wait_ready  # noqa: E402
+from bench.common import RESULTS_DIR, Run, log, machine_info  # noqa: E402
+from bench.overload import replica_rss_mb, scrape, start_server  # noqa: E402
+from bench.server_process import stop_server, wait_ready  # noqa: E402
 
 FATES = ("complete", "disconnect", "server_timeout", "client_timeout", "stop")
 CLIENT_TIMEOUT_S = 0.3

@@ -1,8 +1,8 @@
 """What streaming costs on this machine before any model or Ray: the floor under the serving path.
 
-    .venv/bin/python bench/sse_floor.py --concurrency 32 --duration 30
+    .venv/bin/python -m bench.sse_floor --concurrency 32 --duration 30
     # and a running server in the same table (its process and descendants measured):
-    .venv/bin/python bench/sse_floor.py --live http://127.0.0.1:8000/v1 --live-pid PID
+    .venv/bin/python -m bench.sse_floor --live http://127.0.0.1:8000/v1 --live-pid PID
 
 Two stand-in servers, each in a process of its own under uvicorn (uvloop, httptools: what Ray
 Serve's HTTP runs on), stream the same completions chunks, one token each, at a fixed engine
@@ -33,11 +33,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
 
-from common import RESULTS_DIR, Run, machine_info  # noqa: E402
-from peers import free_port  # noqa: E402
+from bench.common import RESULTS_DIR, Run, machine_info  # noqa: E402
+from bench.peers import free_port  # noqa: E402
 
 MODEL = "demo"
 MODES = ("bare", "app")
@@ -185,7 +183,8 @@ def start(mode: str, step_ms: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable,
-        __file__,
+        "-m",
+        "bench.sse_floor",
         "--serve",
         mode,
         "--port",
@@ -193,7 +192,7 @@ def start(mode: str, step_ms: float) -> tuple[subprocess.Popen, str]:
         "--step-ms",
         str(step_ms),
     ]
-    process = subprocess.Popen(cmd)
+    process = subprocess.Popen(cmd, cwd=HERE.parent)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -210,7 +209,7 @@ def start(mode: str, step_ms: float) -> tuple[subprocess.Popen, str]:
 
 def measure(name: str, url: str, pid: int, args, out: Path) -> dict:
     """bench/serve.py against one server: its one level's figures."""
-    import serve as load  # bench/serve.py
+    from bench import serve as load
 
     argv = [f"--target={name}={url}", f"--model={MODEL}", f"--server-pid={pid}", "--token-ids",
             "--ignore-eos", "--prompt-len=1", f"--output-len={args.output_len}",

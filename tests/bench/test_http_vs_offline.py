@@ -60,8 +60,8 @@ def test_pairs_end_to_end(hvo, sp, tmp_path, monkeypatch, capsys):
         sp,
         f"""
         import sys, yaml
-        sys.path.insert(0, {str(hvo.HERE)!r})
-        import sse_floor
+        sys.path.insert(0, {str(hvo.ROOT)!r})
+        from bench import sse_floor
         port = yaml.safe_load(open(sys.argv[1]))["http_options"]["port"]
         sse_floor.serve("bare", port, 0.005)
     """,

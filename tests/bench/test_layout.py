@@ -99,10 +99,10 @@ def test_a_short_run_measures_both_layouts_and_the_engine_process(tmp_path):
     workload = "--model demo-tiny --dtype float32 --requests 4 --prompt-len 16 --output-len 6"
     argv = [*workload.split(), "--block-size", "16", "--rounds", "2", "--out", str(out)]
     argv += ["--engine-process", "--process-requests", "2"]
-    script = str(ROOT / "bench" / "layout.py")
     done = subprocess.run(
-        [sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-m", "bench.layout", *argv], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "served / all cores" in done.stdout
     report = json.loads(out.read_text())

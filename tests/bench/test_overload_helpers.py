@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from overload import engine_processes, replica_rss_mb  # noqa: E402
+from bench.overload import engine_processes, replica_rss_mb
 
 
 def _fake(title: str, mb: int, parent: str | None = None) -> SimpleNamespace:

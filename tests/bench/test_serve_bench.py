@@ -218,7 +218,7 @@ def app_root(base_url: str) -> str:
 def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_the_workload(
     sb, base_url, tmp_path, monkeypatch
 ):
-    peers = sys.modules["peers"]
+    peers = sys.modules["bench.peers"]
     started = []
 
     def command(self):
@@ -295,7 +295,7 @@ def serve_config(tmp_path, dtype="float32"):
 def test_serve_starts_our_server_benches_it_and_stops_it_before_the_peer_starts(
     sb, base_url, tmp_path, monkeypatch
 ):
-    sp, peers = sys.modules["server_process"], sys.modules["peers"]
+    sp, peers = sys.modules["bench.server_process"], sys.modules["bench.peers"]
     root = app_root(base_url)
     monkeypatch.setattr(sp, "server_command", lambda config: [sys.executable, "-c", FAKE_SERVE,
                                                               str(config), root])  # fmt: skip
@@ -340,7 +340,7 @@ def test_serve_starts_our_server_benches_it_and_stops_it_before_the_peer_starts(
 
 
 def test_a_served_server_that_does_not_start_is_skipped_with_its_log(sb, tmp_path, monkeypatch):
-    sp = sys.modules["server_process"]
+    sp = sys.modules["bench.server_process"]
     failing = [sys.executable, "-c", "print('no model here'); raise SystemExit(2)"]
     monkeypatch.setattr(sp, "server_command", lambda config: failing)
     monkeypatch.setattr(sb, "SETTLE_S", 0.0)
@@ -370,7 +370,7 @@ def test_serve_arguments(sb, tmp_path):
 
 
 def test_a_peer_that_cannot_start_is_unavailable_with_its_log(sb, tmp_path, monkeypatch):
-    peers = sys.modules["peers"]
+    peers = sys.modules["bench.peers"]
     failing = [sys.executable, "-c", "print('no such backend'); raise SystemExit(3)"]
     monkeypatch.setattr(peers.Peer, "command", lambda self: (failing, None))
     peer = peers.Peer("transformers", tmp_path, "demo", "bfloat16", tmp_path / "peer.log")
@@ -566,7 +566,7 @@ def test_replot_draws_a_saved_result_again_without_sending(sb, tmp_path, monkeyp
 
 
 def test_server_cpu_counts_a_process_tree_by_label(sb):
-    from proc_cpu import TreeCPU
+    from bench.proc_cpu import TreeCPU
 
     # the child says when it has burnt its 0.4 s of CPU (however long that takes here), then
     # waits to be measured

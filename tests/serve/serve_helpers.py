@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-# bench/ importable by the serve test modules (bench/soak.py, bench/overload.py's helpers)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import overload  # noqa: E402
-
-from tests.processes import started_by_this_run  # noqa: E402
+from bench import overload
+from tests.processes import started_by_this_run
 
 EMBEDDING_ENDPOINT = "all-minilm-l6-v2"
 SERVE_TEST_ARGS = {

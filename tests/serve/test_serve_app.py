@@ -379,8 +379,7 @@ def test_batch_completion_stream_disconnect_frees_every_prompt(server, kv_idle_h
 
 # -- last: a minute of mixed traffic on the same app ---------------------------------------------
 
-# bench/soak.py: serve_helpers put bench/ on the import path
-from soak import IDLE_KEYS, rss_growth, settle, soak  # noqa: E402
+from bench.soak import IDLE_KEYS, rss_growth, settle, soak  # noqa: E402
 
 RSS_SLACK_MB = 256  # an allocator's high-water mark moves; a leak over a minute goes past it
 
