@@ -1,7 +1,8 @@
 """What the benchmarks share: random prompts, percentiles and token gaps, the machine and load
 a run is measured on, the progress log and the JSON result's common head.
 
-Imported by bench/engine.py, bench/pd.py and bench/serve.py from the directory they live in.
+A result goes to bench/results/<bench>/<machine kind>/<date>[-<label>].json unless `--out`
+says otherwise, and records the commit, the command line, the machine and the date.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import math
 import os
 import platform
 import random
+import re
+import shlex
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -105,6 +110,50 @@ def machine_info(packages: tuple[str, ...], **extra) -> dict:
     }
 
 
+def machine_kind() -> str:
+    """This machine's kind as a folder name: its CPU model and the cores this process may use,
+    e.g. amd-epyc-7b13-2c."""
+    words = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*$|\d+-core", " ", cpu_model().lower())
+    slug = "-".join(re.findall(r"[a-z0-9]+", words)) or "unknown"
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 0
+    return f"{slug}-{usable}c"
+
+
+def default_out(bench: str, label: str = "") -> Path:
+    """bench/results/<bench>/<machine kind>/<today>[-<label>].json."""
+    name = datetime.date.today().isoformat() + (f"-{label}" if label else "")
+    return RESULTS_DIR / bench / machine_kind() / f"{name}.json"
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, with `+dirty` when tracked files differ from it; None outside
+    a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        if done.returncode:
+            raise OSError(done.stderr)
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def command_line() -> str:
+    """How this run was started: `python -m bench.<name> ARGS` for a bench run as a module."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return shlex.join(["python", "-m", spec.name, *sys.argv[1:]])
+    return shlex.join(["python", *sys.argv])
+
+
 def loadavg() -> list[float] | None:
     try:
         return list(os.getloadavg())
@@ -128,9 +177,12 @@ class Run:
         return cls(datetime.datetime.now().astimezone(), machine, loadavg())
 
     def write(self, path: Path, **body) -> None:
-        """Write the JSON result: date, wall time, machine, load averages, then `body`."""
+        """Write the JSON result: date, commit, command line, wall time, machine, load averages,
+        then `body`."""
         report = {
             "date": self.started.isoformat(timespec="seconds"),
+            "commit": git_commit(),
+            "command": command_line(),
             "wall_s": (datetime.datetime.now().astimezone() - self.started).total_seconds(),
             "machine": self.machine,
             "loadavg_start": self.loadavg_start,

@@ -42,9 +42,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 from bench.common import (  # noqa: E402  (bench/common.py, next to this script)
-    RESULTS_DIR,
     VOCAB_REGULAR,
     Run,
+    default_out,
     gaps,
     log,
     machine_info,
@@ -949,8 +949,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 (per-token latency needs two tokens)")
     if args.out is None:
-        name = "engine" if args.model == "demo" else f"engine-{Path(args.model).name}"
-        args.out = RESULTS_DIR / (f"{name}-quick.json" if quick else f"{name}.json")
+        label = "" if args.model == "demo" else Path(args.model).name
+        label = "-".join(x for x in (label, "quick" if quick else "") if x)
+        args.out = default_out("engine", label)
     return args
 
 

@@ -38,7 +38,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-from bench.common import RESULTS_DIR, VOCAB_REGULAR, Run, log, machine_info  # noqa: E402
+from bench.common import VOCAB_REGULAR, Run, default_out, log, machine_info  # noqa: E402
 from bench.server_process import (  # noqa: E402
     START_TIMEOUT_S,
     first_model,
@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds the server may take to be ready")  # fmt: skip
     p.add_argument("--settle", type=float, default=10.0,
                    help="seconds of quiet after the server stops")  # fmt: skip
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "http-vs-offline.json")
+    p.add_argument("--out", type=Path, default=default_out("http-vs-offline"))
     args = p.parse_args(argv)
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")

@@ -44,7 +44,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-from bench.common import RESULTS_DIR, Run, log, machine_info, seeded_prompts  # noqa: E402
+from bench.common import Run, default_out, log, machine_info, seeded_prompts  # noqa: E402
 from serve_app import placement  # noqa: E402
 from serve_app.engine.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from serve_app.engine.backends.cpu.spare_cores import lend_spare_cores  # noqa: E402
@@ -290,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "engine process fed by closed-loop streams from this process")  # fmt: skip
     p.add_argument("--process-requests", type=int, default=3, help="requests each stream of "
                    "the engine-process arm sends in a round, one after the other")  # fmt: skip
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "layout.json")
+    p.add_argument("--out", type=Path, default=default_out("layout"))
     args = p.parse_args(argv)
     for name in ("requests", "prompt_len", "output_len", "rounds", "process_requests"):
         if getattr(args, name) < 1:

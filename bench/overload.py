@@ -38,7 +38,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 
 from bench import server_process  # noqa: E402
-from bench.common import RESULTS_DIR, Run, log, machine_info, percentile_ms, random_token_ids  # noqa: E402
+from bench.common import Run, default_out, log, machine_info, percentile_ms, random_token_ids  # noqa: E402
 from bench.serve import Record, send, session  # noqa: E402  (bench/serve.py: one streamed request)
 from bench.server_process import stop_server, wait_ready  # noqa: E402
 
@@ -273,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=180.0, help="a request's limit: hung after")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "overload.json")
+    p.add_argument("--out", type=Path, default=default_out("overload"))
     args = p.parse_args(argv)
     args.concurrency = args.concurrency or args.max_link_num
     return args

@@ -29,8 +29,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 from bench.common import (  # noqa: E402  (bench/common.py, next to this script)
-    RESULTS_DIR,
     Run,
+    default_out,
     gaps,
     loadavg,
     log,
@@ -620,7 +620,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kv_blocks is None:
         args.kv_blocks = 8 * -(-args.max_seq_len // args.block_size)
     if args.out is None:
-        args.out = RESULTS_DIR / ("pd-quick.json" if args.quick else "pd.json")
+        args.out = default_out("pd", "quick" if args.quick else "")
     return args
 
 

@@ -43,9 +43,9 @@ import yaml
 HERE = Path(__file__).resolve().parent
 
 from bench.common import (  # noqa: E402  (bench/common.py, next to this script)
-    RESULTS_DIR,
     VOCAB_REGULAR,
     Run,
+    default_out,
     gaps,
     log,
     machine_info,
@@ -804,7 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", type=Path, help="JSON file with workload keys (flags win)")
     add_workload_args(p)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.json")
+    p.add_argument("--out", type=Path, default=default_out("serve"))
     p.add_argument(
         "--plot",
         type=Path,

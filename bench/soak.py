@@ -32,7 +32,7 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 
-from bench.common import RESULTS_DIR, Run, log, machine_info  # noqa: E402
+from bench.common import Run, default_out, log, machine_info  # noqa: E402
 from bench.overload import replica_rss_mb, scrape, start_server  # noqa: E402
 from bench.server_process import stop_server, wait_ready  # noqa: E402
 
@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=20.0, help="seconds of the same traffic first")
     p.add_argument("--rss-slack-mb", type=float, default=200.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
+    p.add_argument("--out", type=Path, default=default_out("soak"))
     return p.parse_args(argv)
 
 

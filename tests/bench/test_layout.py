@@ -106,6 +106,9 @@ def test_a_short_run_measures_both_layouts_and_the_engine_process(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "served / all cores" in done.stdout
     report = json.loads(out.read_text())
+    # where it came from: the commit, the command line, the machine, the date
+    assert report["command"].startswith("python -m bench.layout --model demo-tiny")
+    assert report["commit"] and report["machine"]["cpu_model"] and report["date"]
     assert report["workload"]["rounds"] == 2 and report["workload"]["model"] == "demo-tiny"
     for layout in ("served", "all_cores"):
         runs = report["rounds"][layout]
@@ -120,3 +123,13 @@ def test_a_short_run_measures_both_layouts_and_the_engine_process(tmp_path):
     assert all(r["completed"] == r["requests"] == 4 * 2 for r in process)
     assert report["engine_process_over_all_cores"] > 0
     assert "engine process / all cores" in done.stdout
+
+
+def test_a_result_goes_under_its_bench_and_machine_kind_by_date():
+    from bench.common import RESULTS_DIR, default_out, machine_kind
+
+    kind = machine_kind()
+    assert kind.endswith("c") and "/" not in kind and " " not in kind
+    path = default_out("engine", "quick")
+    assert path.parent == RESULTS_DIR / "engine" / kind
+    assert path.name.endswith("-quick.json") and path.name[:4].isdigit()
