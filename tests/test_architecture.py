@@ -100,6 +100,8 @@ def _reaches(name: str) -> set[str]:
         ("serve_app.protocol", ("serve_app.disagg", "serve_app.replica", "serve_app.ingress")),
         ("serve_app.disagg", ("serve_app.protocol", "serve_app.ingress")),
         ("serve_app.tokenizer", ("serve_app.protocol", "serve_app.ingress", "serve_app.replica")),
+        ("serve_app.config", ("serve_app.tokenizer", "serve_app.protocol", "serve_app.ingress",
+                              "serve_app.replica", "serve_app.disagg")),
     ],
 )  # fmt: skip
 def test_layers_import_downwards(layer, forbidden):

@@ -3,7 +3,7 @@
 Place in the request path: nothing runs per request here. `load_config` turns the Ray Serve
 application `args` (or a YAML/JSON file) into a frozen `AppConfig` before any deployment starts;
 `build_app` hands that object to every deployment: the ingress reads `ServerConfig` (timeouts,
-limits), the tokenizer pool `AppConfig.token_limits`, each model replica
+limits), the tokenizer pool its token limits (`tokenizer.limits.TokenLimits.of`), each model replica
 `AppConfig.engine_config()`, each embedding replica its `EmbeddingConfig[]` item. Keys and
 defaults follow MindIE Server's config.json; our additions say "(extension)" in their
 description (README, "Configuration").

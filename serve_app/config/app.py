@@ -14,7 +14,6 @@ from serve_app.config.embedding import EmbeddingConfig, name_problems
 from serve_app.config.server import ServerConfig
 from serve_app.engine.config import MINDIE_ALIASES, EngineConfig
 from serve_app.placement import parse_cpus, serving_cores
-from serve_app.tokenizer.limits import TokenLimits
 
 _ServerConfig, _BackendConfig, _Deployments = ServerConfig, BackendConfig, Deployments
 _EmbeddingConfig = EmbeddingConfig
@@ -90,21 +89,6 @@ class AppConfig(BaseModel):
         bound = {c for m in self.BackendConfig.ModelDeployConfig.ModelConfig
                  for c in parse_cpus(m.engineCpus)}  # fmt: skip
         return serving_cores(bound)
-
-    def token_limits(
-        self, max_position_embeddings: int | None = None, vocab_size: int | None = None
-    ) -> TokenLimits:
-        """The token-count rules; a model's max_position_embeddings and vocabulary (from its
-        config.json) tighten them where known."""
-        deploy = self.BackendConfig.ModelDeployConfig
-        return TokenLimits(
-            max_seq_len=deploy.maxSeqLen,
-            max_input_token_len=deploy.maxInputTokenLen,
-            max_iter_times=self.BackendConfig.ScheduleConfig.maxIterTimes,
-            truncation=deploy.truncation,
-            max_position_embeddings=max_position_embeddings,
-            vocab_size=vocab_size,
-        )
 
 
 def accelerator_env() -> dict[str, str | None]:

@@ -40,6 +40,7 @@ from serve_app.messages import (
 )
 from serve_app.protocol.defaults import ServerDefaults
 from serve_app.protocol.errors import APIError
+from serve_app.tokenizer.limits import TokenLimits
 
 # The ingress's own timer is a backstop behind the engine's deadline for the same timeout, so
 # that a request stuck before the engine (queued at a busy replica) still ends.
@@ -75,7 +76,7 @@ class Pipeline:
         # Model-independent limits for the protocol layer (output caps and defaults); the
         # tokenizer pool applies the full rules with each model's max_position_embeddings.
         self.defaults = ServerDefaults(
-            config.token_limits(),
+            TokenLimits.of(config),
             config.pd_mode,
             stream_interval=config.ServerConfig.streamInterval,
         )

@@ -12,6 +12,7 @@ replicas answer `decode` (fetch and import that KV, then stream like `generate`)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -35,6 +36,7 @@ from serve_app.placement import bind_process
 from serve_app.replica.output_processor import OutputProcessor
 from serve_app.replica.relay import Relay, chunk_of
 from serve_app.replica.token_outbox import TokenOutbox, ray_node_id
+from serve_app.tokenizer.limits import TokenLimits
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class ModelReplica:
         engine_config = app_config.engine_config(model_index)
         if off_engine_cores and engine_config.engine_cpus:
             bind_process(app_config.serving_cores())
-        self.limits = app_config.token_limits()
+        self.limits = TokenLimits.of(app_config)
         self.model_name = engine_config.model_name
         self.replica_id = uuid.uuid4().hex[:12]
         self.engine: AsyncEngine | None = None  # set last: __del__ may see a failed __init__
@@ -289,10 +291,8 @@ class ModelReplica:
             engine.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter teardown: nothing left to report to
             self.shutdown()
-        except Exception:  # interpreter teardown: nothing left to report to
-            pass
 
 
 def _deadline(req: ReplicaRequest) -> float | None:

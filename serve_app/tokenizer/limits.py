@@ -2,7 +2,7 @@
 
 Plain Python: the tokenizer pool checks prompts with it (a `TokenLimitError` becomes a rejection
 naming the parameter), the API families take their output caps from it, and the PD flow its
-token counts. Built from the app config (`AppConfig.token_limits`); the output cap itself is the
+token counts. Built from the app config (`TokenLimits.of`); the output cap itself is the
 engine's rule (`engine.params.output_cap`), so both sides cap alike.
 """
 
@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from serve_app.engine.params import output_cap
 from serve_app.messages import ErrorKind, Rejection, TokenizedPrompt, TokenizeRequest
+
+if TYPE_CHECKING:
+    from serve_app.config import AppConfig
 
 # /infer, /infer_token and Triton generate: max_new_tokens defaults to 20, as in MindIE.
 # OpenAI-style max_tokens defaults to maxIterTimes instead: `TokenLimits.default_max_tokens`.
@@ -48,6 +52,25 @@ class TokenLimits:
     truncation: bool = False
     max_position_embeddings: int | None = None  # None: config.json has none, no bound
     vocab_size: int | None = None  # None or 0 (MindIE's default when absent): id range only
+
+    @classmethod
+    def of(
+        cls,
+        config: AppConfig,
+        max_position_embeddings: int | None = None,
+        vocab_size: int | None = None,
+    ) -> TokenLimits:
+        """The app config's token-count rules; a model's max_position_embeddings and vocabulary
+        (from its config.json) tighten them where known."""
+        deploy = config.BackendConfig.ModelDeployConfig
+        return cls(
+            max_seq_len=deploy.maxSeqLen,
+            max_input_token_len=deploy.maxInputTokenLen,
+            max_iter_times=config.BackendConfig.ScheduleConfig.maxIterTimes,
+            truncation=deploy.truncation,
+            max_position_embeddings=max_position_embeddings,
+            vocab_size=vocab_size,
+        )
 
     def for_request(self, truncate: bool) -> TokenLimits:
         """These limits for a request that asks to cut its prompt (`truncate`) or not."""

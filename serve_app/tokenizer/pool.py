@@ -47,7 +47,7 @@ class TokenizerPool:
             hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
             vocab_size = hf_config.get("vocab_size")
             max_pos = hf_config.get("max_position_embeddings")
-            limits = config.token_limits(max_pos, vocab_size)
+            limits = TokenLimits.of(config, max_pos, vocab_size)
             self._models[model.modelName] = _Model(
                 load_tokenizer(path), limits, vocab_size, max_pos
             )

@@ -23,7 +23,7 @@ def test_built_from_the_app_config():
     deploy = {"maxSeqLen": 100, "maxInputTokenLen": 80, "truncation": True}
     sched = {"maxIterTimes": 30, "maxPrefillTokens": 80}
     cfg = load_config({"BackendConfig": {"ModelDeployConfig": deploy, "ScheduleConfig": sched}})
-    got = cfg.token_limits(max_position_embeddings=64, vocab_size=1000)
+    got = TokenLimits.of(cfg, max_position_embeddings=64, vocab_size=1000)
     assert got == TokenLimits(100, 80, 30, True, 64, 1000)
     assert DEFAULT_MAX_NEW_TOKENS == 20 and got.default_max_tokens == 30
 
