@@ -162,27 +162,19 @@ def _free_port(host: str) -> int:
 
 
 # Ray's background work, for the Ray instance started here (its processes read these from the
-# environment; what the user exported wins). Serve's controller reconciles every 0.1 s by
-# default, ~4 % of a core on the 2-core default even when idle; at 0.5 s, ~1.7 % (a dead replica
-# is noticed up to 0.4 s later). Serve's replicas and handles export their request metrics once a
-# second instead of ten times. Ray's core (every Ray process reads these): no timing statistics
-# of its internal event loops (debug output only), no task events (the dashboard's task list and
-# timeline, which this command does not start), its own system metrics exported every 60 s
-# instead of 10 (the server's /metrics is the app's own, unaffected), and node resource reports
-# every 1 s instead of 0.1 s (cluster scheduling and the autoscaler see a node's load up to a
-# second later). Ray's log monitor looks for new log files every 0.5 s instead of on each of its
-# ten passes a second over them (a new worker's output shows up to 0.5 s later). Ray's dashboard
-# agent collects every process's statistics for the dashboard (which this command does not
-# start) once a minute instead of every 5 s, and learns that its raylet died from a pipe instead
-# of looking up its parent process every 0.4 s (Ray's own option). Idle on the 2-core default:
-# ~13 -> ~9 % of a core with Serve's two, ~9 -> ~6 % with the rest, the agent ~0.55 -> ~0.3 %,
-# on the core the serving path shares with the engine's helpers.
-# Ray starts its workers (every deployment's replica, and so the engine process) at niceness 15
-# by default; here at 0, as Ray does for a job's driver. At 15 the engine's own core looked nearly
-# idle to the kernel's load balancing (a nice-15 task weighs 36 against a normal task's 1024), so
-# normal processes were placed on it and preempted the step loop: measured on the 2-core default
-# at 32 streams, a load generator on the same machine ran ~0.7 % of the engine's core; at 0,
-# none of it (Linux `perf sched`).
+# environment; what the user exported wins): Serve's controller reconciles every 0.5 s instead of
+# 0.1 s (a dead replica is noticed up to 0.4 s later); replicas and handles export their request
+# metrics once a second; Ray's core keeps no timing statistics of its event loops and no task
+# events (debug output and the dashboard's task list, which this command does not start),
+# exports its own system metrics every 60 s (the server's /metrics is the app's own), reports
+# node resources every second (scheduling and the autoscaler see a node's load up to a second
+# later); the log monitor looks for new log files every 0.5 s; the dashboard agent collects
+# process statistics once a minute and learns of its raylet's death from a pipe. On a small
+# node all of this otherwise takes a share of the core the serving path shares with the engine's
+# helpers. Ray's workers (every replica, and so the engine process) start at niceness 0, as
+# Ray's job drivers do, not Ray's default 15: at 15 the engine's core looked idle to the
+# kernel's load balancing, which placed other processes there to preempt the step loop. The
+# measurements behind each: docs/performance.md, "Ray's background settings".
 RAY_BACKGROUND_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",

@@ -1,38 +1,28 @@
-"""Linear layers on CPU with their weights prepacked once for oneDNN.
+"""Linear layers on CPU with their weights prepacked once for oneDNN, or streamed by our kernel.
 
 A plain `nn.Linear` on CPU hands its weight to the GEMM library in row-major order on every call,
 and the library re-blocks it each time. Reordering the weight once into oneDNN's own blocked
 layout (what torch inductor's frozen CPU graphs and vLLM's CPU build do) removes that work from
-every forward: measured on this project's 2-core AMD EPYC (AVX-512 with BF16), the 151936 x 512
-LM head at batch 32 went from 91 ms to 30 ms in float32 and from 22 ms to 15 ms in bfloat16,
-and at batch 1 from 37 ms to 17 ms (float32) and 11 ms to 7 ms (bfloat16), with 2 threads.
-
-`pack_linears(model)` swaps every `nn.Linear` of a loaded model for `linear()`'s layer, holding
-only the packed weight (the row-major copy is dropped, so memory does not double). Results
-match `nn.Linear` to float32 rounding (the kernels sum in another order; in bfloat16 an output
-may differ from `nn.Linear`'s by one bfloat16 step where its float32 sum is near a tie). Used
-on CPU for float32 and bfloat16 only; other devices and dtypes keep their layers.
+every forward. `pack_linears(model)` swaps every `nn.Linear` of a loaded model for `linear()`'s
+layer, holding only the packed weight (the row-major copy is dropped, so memory does not
+double). Results match `nn.Linear` to float32 rounding (the kernels sum in another order; in
+bfloat16 an output may differ from `nn.Linear`'s by one bfloat16 step where its float32 sum is
+near a tie). Used on CPU for float32 and bfloat16 only; other devices and dtypes keep their
+layers.
 
 Where the engine's `streamed_linear` kernel is built (kernels.py: AVX-512, or AVX2 and FMA),
 `linear()` gives a `StreamedLinear` instead of a `PackedLinear`, for the LM head, the fused decoder
 layers' projections (layers.py) and any other Linear alike, in float32, and in bfloat16 except
-on CPUs with AMX (`streams`). A decode step multiplies each weight by only a
-few dozen rows, and the weights together are far larger than the caches (the demo's LM head alone
-is 311 MB in float32), so oneDNN's GEMM waits for each weight about as long as it computes; the
-streamed kernel overlaps the two and adds the bias and a residual or product as it writes. Measured
-on a 2-core Xeon at 32 rows: the demo's head 20.6 ms instead of 25.5 in float32; its eight layers'
-projections 7.2 ms instead of 8.9 (the prefill of 32 x 128 tokens 636 ms instead of 566: oneDNN's
-blocking is better at many rows, and one packed copy of each weight is kept, not two). In bfloat16
-on such a CPU oneDNN runs at a quarter of its float32 rate, and the streamed kernel, which widens
-the weights to float32 in registers, runs at its float32 rate: the head 21.6 ms instead of 93.6,
-the offline demo twice as fast. On a 2-core AMD EPYC without AVX-512 (Zen 3), measured in
-alternation at 32 rows: the head 37.5 ms against oneDNN's 39.5, the eight layers' projections 10.1
-against 14.1; there oneDNN cannot prepack bfloat16 at all (`onednn_packs`), so bfloat16 runs on the
-streamed kernel or, where it is not built, on transformers' own layers (`supported` says no). On
-CPUs with AVX512-BF16 (an AMD EPYC of the Zen 5 generation, 2 cores, measured at 32 rows in
-bfloat16) the kernel sums pairs of products with the CPU's bfloat16 dot products, as oneDNN does:
-the head 10.4 ms on one core against oneDNN's 13.3, the same sums; and with a helper on an idle
-second core (engineSpareCpus) 6.0 ms, where oneDNN's single-threaded call cannot be shared.
+on CPUs with AMX (`streams`). A decode step multiplies each weight by only a few dozen rows, and
+the weights together are far larger than the caches, so oneDNN's GEMM waits for each weight about
+as long as it computes; the streamed kernel overlaps the two and adds the bias and a residual or
+product as it writes, and it can share a GEMM with helpers on spare cores, which oneDNN's
+single-threaded call cannot. In bfloat16 on a CPU without bfloat16 arithmetic oneDNN runs at a
+fraction of its float32 rate, or cannot prepack at all without AVX-512 (`onednn_packs`), while
+the streamed kernel widens the weights to float32 in registers; with AVX512-BF16 it sums pairs of
+products with the CPU's bfloat16 dot products (`bf16_pairs`), as oneDNN does. Where neither
+takes bfloat16, transformers' own layers run (`supported` says no). What each choice measured,
+per machine kind: docs/performance.md, "Packed and streamed GEMMs".
 """
 
 from __future__ import annotations
