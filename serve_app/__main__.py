@@ -27,8 +27,8 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import ConfigError, load_config
+from serve_app.deployment_options import METRICS_INTERVAL, SERVE_FAST_PATH_ENV
 from serve_app.placement import bind_process, parse_cpus, serving_cores
-from serve_app.replica.options import METRICS_INTERVAL, SERVE_FAST_PATH_ENV
 
 
 def main() -> None:

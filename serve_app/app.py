@@ -37,10 +37,7 @@ def embedding_deployment_name(config: AppConfig, index: int) -> str:
 def build_app(args: dict[str, Any] | None = None):
     from ray import serve
 
-    from serve_app.ingress.deployment import Ingress
-    from serve_app.replica.embedding_replica import EmbeddingReplica
-    from serve_app.replica.model_replica import ModelReplica
-    from serve_app.replica.options import (
+    from serve_app.deployment_options import (
         embedding_replica_options,
         ingress_options,
         model_replica_options,
@@ -48,6 +45,9 @@ def build_app(args: dict[str, Any] | None = None):
         stop_registry_options,
         tokenizer_pool_options,
     )
+    from serve_app.ingress.deployment import Ingress
+    from serve_app.replica.embedding_replica import EmbeddingReplica
+    from serve_app.replica.model_replica import ModelReplica
     from serve_app.tokenizer.pool import TokenizerPool
 
     config = load_config(dict(args or {}))  # the one validation; deployments get this object

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app.config import ConfigError, load_config
-from serve_app.replica.options import (
+from serve_app.deployment_options import (
     SERVE_FAST_PATH_ENV,
     admission_limits,
     ingress_options,
@@ -120,7 +120,7 @@ def test_every_deployment_runs_serves_fast_path_and_user_env_vars_win():
 def test_only_the_ingress_writes_an_access_log_line_per_request_by_default():
     """Ray Serve logs every call in every deployment; the HTTP request's line is the ingress's,
     the deployments behind it log none unless their logging_config asks (merged key by key)."""
-    from serve_app.replica.options import embedding_replica_options, stop_registry_options
+    from serve_app.deployment_options import embedding_replica_options, stop_registry_options
 
     config = load_config({})
     assert "logging_config" not in ingress_options(config)

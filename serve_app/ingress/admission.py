@@ -10,7 +10,7 @@ client that goes away leaves the queue. GETs (health, readiness, metrics, model 
 never held back.
 
 The limits are per ingress replica: `maxLinkNum` split over the ingress's `num_replicas`
-(`replica/options.py` gives Ray Serve's own limits room above these, so that overflow reaches
+(`deployment_options.py` gives Ray Serve's own limits room above these, so that overflow reaches
 this middleware and gets an envelope rather than Ray's plain-text 503).
 """
 

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.config import AppConfig
+from serve_app.deployment_options import admission_limits
 from serve_app.ingress import (
     admin_routes,
     databricks_routes,
@@ -27,7 +28,6 @@ from serve_app.ingress.request_body import RequestBody, error_response
 from serve_app.ingress.request_ids import RequestIds
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
-from serve_app.replica.options import admission_limits
 
 # Routes are matched in this order, one after another, for every request: the busiest first
 # (no two routes share a path and a method, so the order changes nothing else): the OpenAI

@@ -8,7 +8,7 @@ import pytest
 
 from serve_app.app import build_app, embedding_deployment_name
 from serve_app.config import ConfigError, EmbeddingConfig, load_config
-from serve_app.replica.options import SERVE_FAST_PATH_ENV, embedding_replica_options
+from serve_app.deployment_options import SERVE_FAST_PATH_ENV, embedding_replica_options
 
 MINILM = {"endpointName": "all-minilm-l6-v2", "modelWeightPath": "all-minilm-l6-v2"}
 
