@@ -16,15 +16,14 @@ translated and run as one engine request per prompt.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ValidationError
 
 from serve_app.ingress import sse
+from serve_app.ingress.fan_out import gather_all
 from serve_app.ingress.openai_routes import embeddings, responses
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
 from serve_app.messages import ErrorKind, ReplicaChunk
@@ -138,14 +137,12 @@ async def chat(body: DatabricksChatRequest, model: str, p: Pipeline, family: Fam
 
 async def completions(body: DatabricksCompletionRequest, model: str, p: Pipeline, family: Family):
     body.check(p.defaults.pd_mode)
-    translated = await _all(p.translate(one, model, "cmpl") for one in body.per_prompt())
+    translated = await gather_all(p.translate(one, model, "cmpl") for one in body.per_prompt())
     reqs = [req for req, _ in translated]
     render = CompletionRenderer(body, p.new_request_id("cmpl"), int(time.time()), model)
     if not body.stream:
-        folded = await _all(p.collect(model, r, partial_on_timeout=body.truncate) for r in reqs)
-        return render.response(folded)
-    streams = [_until_timeout(p.generate(model, r), body.truncate) for r in reqs]
-    items = await sse.peek(_merged(streams))
+        return render.response(await p.collect_many(model, reqs, body.truncate))
+    items = await sse.peek(p.generate_many(model, reqs, body.truncate))
 
     def events(item: tuple[int | None, ReplicaChunk | None]) -> list[dict]:
         prompt, chunk = item
@@ -197,55 +194,3 @@ def _parse(model: type[_M], body: dict) -> _M:
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation_errors(list(exc.errors()), prefix_skip=()) from None
-
-
-async def _all(awaitables) -> list:
-    """Every awaitable's result, in order; the first failure cancels the others (each one's
-    replica stream is then closed, so no KV block outlives the request)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _until_timeout(
-    chunks: AsyncIterator[ReplicaChunk], truncate: bool
-) -> AsyncIterator[ReplicaChunk | None]:
-    """The chunks; with error_behavior "truncate" a timeout ends them with what the last
-    chunk generated, then None (its unfinished choices end with "length")."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except APIError as exc:
-        if not truncate or exc.kind != ErrorKind.TIMEOUT:
-            raise
-        if exc.partial is not None:
-            yield exc.partial.cut_short()
-        yield None
-    finally:
-        await chunks.aclose()
-
-
-async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int | None, object]]:
-    """(stream index, item) as the streams produce them, then (None, None) when all ended."""
-    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                i = pending.pop(future)
-                try:
-                    item = future.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, item
-                pending[asyncio.ensure_future(anext(streams[i]))] = i
-        yield None, None
-    finally:
-        for future in pending:
-            future.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()

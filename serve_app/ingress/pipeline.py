@@ -23,6 +23,7 @@ from fastapi import Request
 
 from serve_app.config import AppConfig
 from serve_app.disagg.flow import pd_generate
+from serve_app.ingress import fan_out
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.interruptible import END, INTERRUPTED, Interruptible
 from serve_app.ingress.metrics import Metrics
@@ -217,6 +218,23 @@ class Pipeline:
             if exc.partial is not None:
                 merged.absorb(exc.partial.cut_short())
         return merged
+
+    async def collect_many(
+        self, model: str, reqs: list[ReplicaRequest], partial_on_timeout: bool = False
+    ) -> list[ReplicaChunk]:
+        """Several requests of one call, each folded as `collect` folds it, in order."""
+        return await fan_out.gather_all(
+            self.collect(model, r, None, partial_on_timeout) for r in reqs
+        )
+
+    def generate_many(
+        self, model: str, reqs: list[ReplicaRequest], truncate: bool = False
+    ) -> AsyncIterator[tuple[int | None, ReplicaChunk | None]]:
+        """Several requests' streams as one: (index, chunk) as they come, (index, None) where
+        `truncate` ended one at its timeout, (None, None) at the end (fan_out.merged)."""
+        return fan_out.merged(
+            [fan_out.until_timeout(self.generate(model, r), truncate) for r in reqs]
+        )
 
     # -- embeddings -------------------------------------------------------------------------
 
