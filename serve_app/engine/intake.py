@@ -8,6 +8,7 @@ Anything accepted here runs to an output; nothing refused leaves a trace.
 from __future__ import annotations
 
 from collections.abc import Container
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +17,11 @@ from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import RequestRejected
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_cache import KVCacheManager
-from serve_app.engine.kv_transfer import KVCaches
 from serve_app.engine.params import HIGHEST_PRIORITY, LOWEST_PRIORITY, output_cap
 from serve_app.engine.sequence import Request, Sequence, seeded_generator
+
+if TYPE_CHECKING:
+    from serve_app.engine.kv_transfer import KVCaches
 
 
 class Intake:

@@ -13,10 +13,12 @@ either case, and one gather/scatter serves both.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the payload's types import without torch (the ingress has none)
+    import torch
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+    KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -46,6 +48,8 @@ def token_slots(
     block_table: list[int], num_tokens: int, block_size: int, device: torch.device
 ) -> torch.Tensor:
     """Flat cache slot of positions 0..num_tokens-1 of a sequence with this block table."""
+    import torch
+
     need = -(-num_tokens // block_size)
     if need > len(block_table):
         raise ValueError(

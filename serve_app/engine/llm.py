@@ -12,13 +12,14 @@ from collections.abc import Sequence
 
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.inputs import EngineRequest
-from serve_app.engine.llm_engine import LLMEngine
 from serve_app.engine.outputs import RequestOutput
 from serve_app.engine.params import DEFAULT_PRIORITY, SamplingParams
 
 
 class LLM:
     def __init__(self, model: str = "demo", **overrides):
+        from serve_app.engine.llm_engine import LLMEngine  # the model code, on first use
+
         self.config = EngineConfig.from_overrides(model, **overrides)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer

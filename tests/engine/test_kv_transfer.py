@@ -12,12 +12,12 @@ from serve_app.engine import (
     EngineConfig,
     EngineRequest,
     FinishReason,
-    LLMEngine,
     RequestRejected,
     SamplingParams,
     kv_transfer,
 )
 from serve_app.engine.kv_transfer import ImportedPrefill, KVPayload
+from serve_app.engine.llm_engine import LLMEngine
 from serve_app.tokenizer.limits import TokenLimits
 
 pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")

@@ -13,12 +13,12 @@ from serve_app.engine import (
     EngineConfig,
     EngineRequest,
     FinishReason,
-    LLMEngine,
     RequestRejected,
     SamplingParams,
 )
 from serve_app.engine.host.async_engine import AsyncEngine
 from serve_app.engine.kv_transfer import ImportedPrefill
+from serve_app.engine.llm_engine import LLMEngine
 from serve_app.models.loader import load_tokenizer, resolve_model_path
 from serve_app.structured import json_object, json_schema
 

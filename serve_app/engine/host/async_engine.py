@@ -22,8 +22,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from typing import TYPE_CHECKING
 
-import torch
-
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import EngineError, RequestRejected
 from serve_app.engine.host.process import EngineInfo, EngineProcess
@@ -47,6 +45,8 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None  # the in-process engine (thread mode)
         self._host: EngineProcess | EngineThread
         if engine is None and config.engine_process:
+            import torch
+
             # the child's torch threads: its bound cores, else what this process was given
             self._host = EngineProcess(
                 config, self._deliver_all, self._fail_all, torch.get_num_threads()
