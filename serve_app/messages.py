@@ -93,7 +93,7 @@ class Rejection:
 @dataclass(slots=True)
 class StreamAddress:
     """Where a replica may write a request's chunks instead of yielding them through Ray: the
-    ingress's token socket (`ingress/token_inbox.py`). `secret` opens it."""
+    ingress's token socket (`token_socket/inbox.py`). `secret` opens it."""
 
     node_id: str | None  # the Ray node of the ingress: replicas there use the Unix socket
     path: str  # the Unix socket

@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from serve_app.ingress.token_inbox import TokenInbox
 from serve_app.messages import (
     DecodeRequest,
     EmbedRequest,
@@ -25,6 +24,7 @@ from serve_app.messages import (
     TokenizedPrompt,
     TokenizeRequest,
 )
+from serve_app.token_socket.inbox import TokenInbox
 from serve_app.tokenizer.limits import TokenLimits, token_ids_prompt
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from typing import Any
 from serve_app.config import AppConfig
 from serve_app.ingress.app import create_app
 from serve_app.ingress.backend import RayBackend
-from serve_app.ingress.token_inbox import TokenInbox
 from serve_app.placement import bind_process
+from serve_app.token_socket.inbox import TokenInbox
 
 
 class Ingress:

@@ -84,7 +84,7 @@ class RequestIds:
 # Ray's exceptions for a replica that died or cannot be reached, by name (no import of Ray here)
 _REPLICA_GONE = {
     "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
-    "TokenStreamLost",  # ingress/token_inbox.py: a replica's token socket closed mid-request
+    "TokenStreamLost",  # token_socket/inbox.py: a replica's token socket closed mid-request
 }  # fmt: skip
 _NO_REPLICA = {"DeploymentUnavailableError", "BackPressureError"}
 

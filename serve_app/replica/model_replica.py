@@ -34,8 +34,8 @@ from serve_app.messages import (
 )
 from serve_app.placement import bind_process
 from serve_app.replica.output_processor import OutputProcessor
-from serve_app.replica.relay import Relay, chunk_of
-from serve_app.replica.token_outbox import TokenOutbox, ray_node_id
+from serve_app.token_socket.outbox import TokenOutbox, ray_node_id
+from serve_app.token_socket.relay import Relay, chunk_of
 from serve_app.tokenizer.limits import TokenLimits
 
 logger = logging.getLogger(__name__)

@@ -420,8 +420,8 @@ class LocalResponse:
 def through_token_socket(replica, req, node="node-a", leave_after=None):
     """req through an ingress token inbox on `node` (the replica on node-a): the chunks the
     inbox's stream gives, what the replica yielded through its own stream, and the inbox."""
-    from serve_app.ingress.token_inbox import TokenInbox
-    from serve_app.replica.token_outbox import TokenOutbox
+    from serve_app.token_socket.inbox import TokenInbox
+    from serve_app.token_socket.outbox import TokenOutbox
 
     async def run():
         inbox, response = TokenInbox(node), None
@@ -481,8 +481,8 @@ def test_leaving_a_socket_stream_early_aborts_and_frees_the_blocks(replica, prom
 def test_a_token_socket_closed_mid_request_ends_it_and_frees_the_blocks(replica, prompt):
     """The ingress's side closes while the replica still streams to it (what Ray would carry
     on): the replica ends the request with an error through its own stream."""
-    from serve_app.ingress.token_inbox import TokenInbox
-    from serve_app.replica.token_outbox import TokenOutbox
+    from serve_app.token_socket.inbox import TokenInbox
+    from serve_app.token_socket.outbox import TokenOutbox
 
     req = request(prompt, greedy(LONG))
 

@@ -6,7 +6,7 @@ worker on both sides). A request still goes to its model replica through the han
 cancellation, a replica's death stay Ray Serve's), but it carries this inbox's address
 (`StreamAddress`): a replica on the same node connects to it once and from then on writes, per
 engine step, the chunks of all the requests it runs for this ingress as one length-prefixed
-pickle (`replica/token_outbox.py`), which this side fans out to the requests' queues. A request
+pickle (`token_socket/outbox.py`), which this side fans out to the requests' queues. A request
 whose consumer fell behind gets what waits in its queue as one chunk. Such a
 request's Ray stream yields nothing and ends once its final chunk is written; a replica on
 another node, or one that cannot connect, yields its chunks through Ray as before, and the
@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serve_app.messages import ReplicaChunk, ReplicaRequest, StreamAddress
-from serve_app.token_frame import TOKEN_FRAME, unpack_chunks
+from serve_app.token_socket.frame import TOKEN_FRAME, unpack_chunks
 
 logger = logging.getLogger(__name__)
 

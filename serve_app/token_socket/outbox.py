@@ -1,4 +1,4 @@
-"""A model replica's side of the ingress token sockets (`ingress/token_inbox.py`).
+"""A model replica's side of the ingress token sockets (`token_socket/inbox.py`).
 
 A request whose `reply_to` names an ingress on this replica's node (or, with tokenStream "tcp",
 on any node) gets a `Link` to that ingress's socket (one connection per ingress, opened by the
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from serve_app.messages import ReplicaChunk, StreamAddress
-from serve_app.token_frame import TOKEN_FRAME, pack_chunks
+from serve_app.token_socket.frame import TOKEN_FRAME, pack_chunks
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A request's engine outputs straight onto its ingress's token socket, in the step's hand-over.
 
-Streaming through the socket (`token_outbox.py`), a request's coroutine used to wake for every
+Streaming through the socket (`outbox.py`), a request's coroutine used to wake for every
 engine step only to turn the step's output into a chunk and put it on the link: at 32 streams,
 32 coroutine wake-ups, queue hand-overs and async-generator resumptions per step on the model
 replica's event loop. A `Relay` does that work in the function the engine calls with each output
@@ -17,7 +17,7 @@ from serve_app.disagg.handoff import Handoff
 from serve_app.engine.outputs import RequestOutput
 from serve_app.messages import ErrorKind, ReplicaChunk
 from serve_app.replica.output_processor import OutputProcessor
-from serve_app.replica.token_outbox import Link
+from serve_app.token_socket.outbox import Link
 
 SOCKET_CLOSED = "the token socket to the ingress closed"
 

@@ -1,4 +1,4 @@
-"""The token socket's frames (`ingress/token_inbox.py`, `replica/token_outbox.py`): a header,
+"""The token socket's frames (`token_socket/inbox.py`, `token_socket/outbox.py`): a header,
 the byte length, then one engine step's chunks of a replica for one ingress, pickled.
 
 Pickling a chunk as objects calls back into Python for each of its three (~1.7 us a chunk: at

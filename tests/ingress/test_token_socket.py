@@ -13,8 +13,6 @@ from dataclasses import fields, replace
 import pytest
 
 from serve_app.engine.params import SamplingParams
-from serve_app.ingress import token_inbox
-from serve_app.ingress.token_inbox import TokenInbox, TokenStreamLost
 from serve_app.messages import (
     ChoiceDelta,
     ErrorKind,
@@ -23,8 +21,10 @@ from serve_app.messages import (
     StepInfo,
     TokenLogprobText,
 )
-from serve_app.replica.token_outbox import TokenOutbox
-from serve_app.token_frame import TOKEN_FRAME, pack_chunks, unpack_chunks
+from serve_app.token_socket import inbox as token_inbox
+from serve_app.token_socket.frame import TOKEN_FRAME, pack_chunks, unpack_chunks
+from serve_app.token_socket.inbox import TokenInbox, TokenStreamLost
+from serve_app.token_socket.outbox import TokenOutbox
 
 NODE = "node-a"
 
@@ -392,7 +392,7 @@ def test_a_connection_that_sends_no_secret_is_closed_after_a_while(monkeypatch):
 
 
 def test_a_connect_that_hangs_streams_through_ray_instead(monkeypatch):
-    from serve_app.replica import token_outbox
+    from serve_app.token_socket import outbox as token_outbox
 
     async def never(*args, **kwargs):
         await asyncio.sleep(3600)
@@ -418,7 +418,7 @@ def test_the_socket_directory_goes_when_the_process_exits_without_close():
 
     code = (
         "import asyncio\n"
-        "from serve_app.ingress.token_inbox import TokenInbox\n"
+        "from serve_app.token_socket.inbox import TokenInbox\n"
         "async def main():\n"
         "    print((await TokenInbox('n').address()).path)\n"
         "asyncio.run(main())\n"
