@@ -91,11 +91,10 @@ for _cls in (TokenLogprob, CompletionOutput, StepMetrics, RequestOutput):
 
 # -- a step's outputs between the engine process and its replica -----------------------------
 #
-# Pickling a RequestOutput calls back into Python for each of its three objects (~1.8 us an
-# output); at 32 streams that was ~60 us of every step in the step loop, ~100 us with the caches
-# the step's kernels leave. A streamed output before the last (one choice, no logprobs, nothing
-# but tokens and timing) travels as a plain tuple instead, which pickle writes without calling
-# Python (~0.3 us); anything else as the (request id, item) pair it was.
+# Pickling a RequestOutput calls back into Python for each of its three objects, on the step
+# loop's time, for every stream every step. A streamed output before the last (one choice, no
+# logprobs, nothing but tokens and timing) travels as a plain tuple instead, which pickle writes
+# without calling Python; anything else as the (request id, item) pair it was.
 
 _PAIR = 2  # (request id, item): an item as it is
 _STREAMED = 9  # (request id, index, new token ids, cumulative logprob, *StepMetrics' 5 fields)

@@ -1,10 +1,10 @@
 """The token socket's frames (`token_socket/inbox.py`, `token_socket/outbox.py`): a header,
 the byte length, then one engine step's chunks of a replica for one ingress, pickled.
 
-Pickling a chunk as objects calls back into Python for each of its three (~1.7 us a chunk: at
-32 streams ~55 us of the replica's every step). A streamed chunk of one choice and one step
-with nothing but its tokens, text and timing crosses as a tuple of plain values instead, which
-pickle writes without calling Python (~0.3 us); any other chunk as itself.
+Pickling a chunk as objects calls back into Python for each of its three, on the replica's
+event loop, for every stream every step. A streamed chunk of one choice and one step with
+nothing but its tokens, text and timing crosses as a tuple of plain values instead, which pickle
+writes without calling Python; any other chunk as itself.
 """
 
 from __future__ import annotations

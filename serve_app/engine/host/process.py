@@ -10,13 +10,11 @@ those cores.
 
 Messages are pickled by value (KV payloads of PD hand-offs included), so no shared memory
 outlives either side. A step's outputs leave out their requests' prompt ids (`prompt_token_ids`
-None): the parent has them (`AsyncEngine` puts them back), and at 32 requests of 128-token
-prompts they were two thirds of every step's message. A streamed output carries only its new
-tokens (`CompletionOutput.token_ids`), so the message does not grow as the outputs do (it did: at
-32 streams of 128 tokens, ~18 KB a step, now ~4 KB), and as a tuple of plain values
-(`outputs.pack_step`), which pickle writes without calling back into Python: at 32 streams the
-step loop spent ~100 us of every step pickling the outputs as objects, ~40 us packed. The
-child exits when the parent says stop or goes away (the socket closes).
+None): the parent has them (`AsyncEngine` puts them back). A streamed output carries only its new
+tokens (`CompletionOutput.token_ids`), so the message does not grow as the outputs do, and as a
+tuple of plain values (`outputs.pack_step`), which pickle writes without calling back into
+Python (docs/performance.md, "What crosses and what attends"). The child exits when the parent
+says stop or goes away (the socket closes).
 """
 
 from __future__ import annotations
