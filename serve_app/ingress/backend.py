@@ -169,7 +169,7 @@ class RayBackend(_Targets):
 
         A prompt of token ids needs no tokenizer, only its model's limits: once the pool has
         told this ingress those (one call per model), such a prompt is checked here by the
-        pool's own function, a round trip to the pool (~1 ms of CPU) less per request."""
+        pool's own function, a round trip to the pool less per request."""
         from ray.exceptions import RayActorError
 
         if req.kind == "token_ids":
@@ -234,7 +234,7 @@ class RayBackend(_Targets):
     def _streaming_method(self, name: str, model: str) -> Any:
         """The streaming handle of `name` ("generate": the colocated replicas, "decode") for
         `model`, made once: a handle's `options()` and each method lookup build a new handle
-        (its options copied), ~17 us of the ingress's CPU per request for nothing."""
+        (its options copied), on the ingress's CPU for every request."""
         method = self._streaming.get((name, model))
         if method is None:
             handles = self.replicas if name == "generate" else self.decode_replicas

@@ -59,7 +59,8 @@ def over_grpc(handle: Any) -> Any:
     tasks. The handles an app is bound with are made by whoever builds the app (`serve run`,
     `python -m serve_app`), with that process's default (actor tasks), so the ingress asks for
     gRPC itself: at 32 streams on 2 cores, the Python of routing and submitting actor tasks was a
-    third of the ingress's event loop (~3 ms a call, two calls a request) and is now a few %.
+    third of the ingress's event loop and is now a few % (docs/performance.md, "What crosses
+    and what attends").
     Not for the PD handles: a prefill's result and a decode request carry the KV's ObjectRef,
     which only Ray's own serialization passes on with its ownership."""
     return handle.options(_by_reference=False)

@@ -12,11 +12,11 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=1)` for a 2-D tensor, exactly (the first maximum; NaN counts as the
-    largest), faster on CPU for wide rows, where torch's argmax runs ~10x slower than a max
-    reduction (~7.5 ms for 32 x 151936 float32 logits on one thread). With the engine's CPU
-    kernels: their `argmax_rows` (float32 or bfloat16, ~0.4 ms for those logits in bfloat16 on
-    one thread). Else each row's chunk maxima (`amax`, which vectorizes), the first chunk holding
-    the row's maximum, then argmax within that chunk (~0.8 ms in float32)."""
+    largest), faster on CPU for wide rows, where torch's argmax runs many times slower than a max
+    reduction (it does not vectorize). With the engine's CPU kernels: their `argmax_rows`
+    (float32 or bfloat16). Else each row's chunk maxima (`amax`, which vectorizes), the first
+    chunk holding the row's maximum, then argmax within that chunk (docs/performance.md, "What
+    crosses and what attends")."""
     rows, width = x.shape
     if x.device.type != "cpu" or width < 8 * _CHUNK:
         return x.argmax(dim=1)
