@@ -22,7 +22,6 @@ class Backend:
     """Torch alone: attention through sdpa over gathered K/V under masks (`attention`), the
     model's own layers, every step eager."""
 
-    name = "torch"
     # decode attention that reads the paged cache in place (q, k_cache, v_cache, block tables,
     # lengths, scale) -> out, or None: decodes attend over their gathered K/V under a mask
     decode_kernel: Callable | None = None
@@ -60,7 +59,3 @@ class Backend:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """`x.argmax(dim=1)` of a 2-D tensor (greedy sampling), exactly."""
         return x.argmax(dim=1)
-
-    def describe(self) -> dict[str, int]:
-        """What the backend did to the model, for the engine's info and tests."""
-        return {}

@@ -18,7 +18,6 @@ class CPUBackend(Backend):
     prompt token over its sequence's cache up to itself), Llama- and Qwen2-shaped decoder layers
     are fused, every Linear and the LM head run on packed weights. Elsewhere: torch's."""
 
-    name = "cpu"
     prompt_rows = True
 
     def __init__(self, config, device, dtype):
@@ -55,6 +54,3 @@ class CPUBackend(Backend):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return row_argmax(x)
-
-    def describe(self) -> dict[str, int]:
-        return {"fused_layers": self.fused_layers, "packed_linears": self.packed_linears}

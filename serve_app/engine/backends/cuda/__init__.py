@@ -12,8 +12,6 @@ class CUDABackend(Backend):
     device: what lets a step of decodes replay as a CUDA graph. Prompt chunks keep one batched
     sdpa call (on a GPU that beats re-reading the context once per token)."""
 
-    name = "cuda"
-
     def __init__(self, config, device, dtype):
         super().__init__(config, device, dtype)
         if triton_attention.available():

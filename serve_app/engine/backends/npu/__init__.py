@@ -10,8 +10,6 @@ class NPUBackend(Backend):
     """Attention through torch_npu's paged-attention operators, within their documented limits
     (checked before the model runs)."""
 
-    name = "npu"
-
     def attention(self, kv_shape: tuple[int, int, int]) -> str:
         from serve_app.engine.backends.npu import attention
 
