@@ -87,12 +87,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def usable_cores() -> int | None:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()
+
+
 def machine_info(packages: tuple[str, ...], **extra) -> dict:
     """CPU, usable cores, the given packages' versions, Python, the platform, then `extra`."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
     versions = {}
     for name in packages:
         try:
@@ -102,7 +106,7 @@ def machine_info(packages: tuple[str, ...], **extra) -> dict:
     return {
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
+        "cpus_usable": usable_cores(),
         **versions,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -115,11 +119,7 @@ def machine_kind() -> str:
     e.g. amd-epyc-7b13-2c."""
     words = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*$|\d+-core", " ", cpu_model().lower())
     slug = "-".join(re.findall(r"[a-z0-9]+", words)) or "unknown"
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 0
-    return f"{slug}-{usable}c"
+    return f"{slug}-{usable_cores()}c"
 
 
 def default_out(bench: str, label: str = "") -> Path:
