@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from serve_app.engine.backends.cpu.spare_cores import shared_chunks
 from serve_app.engine.backends.runner import ModelRunner
 from serve_app.engine.block_pool import BlockPool
 from serve_app.engine.config import EngineConfig
@@ -130,7 +129,7 @@ class LLMEngine:
             "num_kv_exports": self.updater.num_kv_exports,
             "num_kv_imports": self.num_kv_imports,
             "num_steps": self.num_steps,
-            **shared_chunks(),  # with engineSpareCpus: the helpers' share of the CPU kernels
+            **self.runner.backend.stats(),  # e.g. the spare cores' share of the CPU kernels
         }
 
     # -- the step -------------------------------------------------------------------------------

@@ -56,6 +56,10 @@ class Backend:
         """Whether decode steps replay as captured graphs (cuda/graphs.py)."""
         return False
 
+    def stats(self) -> dict[str, int]:
+        """The backend's own counters, reported among the engine's."""
+        return {}
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """`x.argmax(dim=1)` of a 2-D tensor (greedy sampling), exactly."""
         return x.argmax(dim=1)

@@ -9,6 +9,7 @@ import torch
 from serve_app.engine.backends.base import Backend
 from serve_app.engine.backends.cpu import gemm, kernels, layers
 from serve_app.engine.backends.cpu.argmax import row_argmax
+from serve_app.engine.backends.cpu.spare_cores import shared_chunks
 from serve_app.engine.backends.device import free_memory_bytes
 
 
@@ -51,6 +52,10 @@ class CPUBackend(Backend):
 
     def kv_budget_bytes(self) -> int:
         return free_memory_bytes(self.device)
+
+    def stats(self) -> dict[str, int]:
+        """With engineSpareCpus: where the kernels' chunks ran (spare_cores.shared_chunks)."""
+        return shared_chunks()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return row_argmax(x)
