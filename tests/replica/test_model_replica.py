@@ -452,7 +452,10 @@ def test_chunks_through_the_ingress_token_socket_are_the_streams_own(replica, pr
     req = request(prompt, greedy(), token_texts=True)
     chunks, yielded, inbox = through_token_socket(replica, req)
     assert yielded == []  # nothing went through the replica's own (Ray) stream
-    assert inbox.num_chunks == len(chunks) > 1
+    # every chunk came through the socket; a consumer that falls behind gets the chunks waiting
+    # for it folded into one (TokenInbox.stream), so the socket may have carried more than it
+    # yielded, never fewer
+    assert inbox.num_chunks >= len(chunks) > 1
     assert joined(chunks, attr="token_ids") == reference.token_ids
     assert joined(chunks) == reference.text
     final = chunks[-1]
