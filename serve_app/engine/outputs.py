@@ -4,7 +4,7 @@ Small plain dataclasses: they cross the replica's handle, so API layers can rend
 response (token deltas, logprobs, finish reasons, and the timing facts MindIE reports). They
 pickle as their constructor's arguments: the engine process sends every step's outputs to its
 replica, and the default pickling of a slotted dataclass (a state dict per object) took ~3x as
-long to load. On that path a step's streamed outputs travel flatter still (`pack_step`).
+long to load. On that path a step's outputs travel flatter still (`pack_step`, `serve_app.wire`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.engine.params import FinishReason
+from serve_app.wire import flat
 
 
 @dataclass(slots=True)
@@ -90,60 +91,23 @@ for _cls in (TokenLogprob, CompletionOutput, StepMetrics, RequestOutput):
 
 
 # -- a step's outputs between the engine process and its replica -----------------------------
-#
-# Pickling a RequestOutput calls back into Python for each of its three objects, on the step
-# loop's time, for every stream every step. A streamed output before the last (one choice, no
-# logprobs, nothing but tokens and timing) travels as a plain tuple instead, which pickle writes
-# without calling Python; anything else as the (request id, item) pair it was.
 
-_PAIR = 2  # (request id, item): an item as it is
-_STREAMED = 9  # (request id, index, new token ids, cumulative logprob, *StepMetrics' 5 fields)
-_metric_values = operator.attrgetter(*(f.name for f in dataclasses.fields(StepMetrics)))
+_pack_output, _unpack_output = flat(RequestOutput)
 
 
-def pack_step(items: list[tuple[str, Any]]) -> list[tuple]:
-    """A step's (request id, output or exception) items, each as a tuple that pickles fast;
-    outputs leave out their prompt ids (`prompt_token_ids` is None after `unpack_step`)."""
+def pack_step(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """A step's (request id, output or exception) items with each output in its flat form
+    (`wire.flat`), which pickles without calling back into Python; outputs leave out their
+    prompt ids (`prompt_token_ids` is None after `unpack_step`: the replica has them)."""
     packed = []
-    for item in items:
-        out = item[1]
-        if isinstance(out, RequestOutput):
+    for request_id, out in items:
+        if type(out) is RequestOutput:
             out.prompt_token_ids = None
-            if (
-                len(out.outputs) == 1
-                and item[0] == out.request_id
-                and not out.finished
-                and out.step_history is None
-                and out.kv_payload is None
-                and out.generator_state is None
-                and out.kv_import_ms is None
-            ):
-                c = out.outputs[0]
-                if (
-                    c.token_ids is c.new_token_ids
-                    and c.logprobs is None
-                    and c.finish_reason is None
-                    and c.stop_reason is None
-                    and not c.text
-                ):
-                    metrics = _metric_values(out.metrics)
-                    packed.append((item[0], c.index, c.token_ids, c.cumulative_logprob, *metrics))
-                    continue
-        packed.append(item)
+            out = _pack_output(out)
+        packed.append((request_id, out))
     return packed
 
 
-def unpack_step(packed: list[tuple]) -> list[tuple[str, Any]]:
+def unpack_step(packed: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """`pack_step`'s items as they were (each output's prompt ids None)."""
-    items = []
-    for t in packed:
-        if len(t) == _PAIR:
-            items.append(t)
-            continue
-        assert len(t) == _STREAMED, len(t)
-        request_id, index, tokens, cumulative, *metrics = t
-        choice = CompletionOutput(index, tokens, tokens, cumulative)
-        items.append(
-            (request_id, RequestOutput(request_id, None, [choice], False, StepMetrics(*metrics)))
-        )
-    return items
+    return [(rid, _unpack_output(out) if type(out) is tuple else out) for rid, out in packed]

@@ -34,8 +34,8 @@ from serve_app.messages import (
 )
 from serve_app.placement import bind_process
 from serve_app.replica.output_processor import OutputProcessor
+from serve_app.replica.relay import RayStream, Relay, Sink
 from serve_app.token_socket.outbox import TokenOutbox, ray_node_id
-from serve_app.token_socket.relay import Relay, chunk_of
 from serve_app.tokenizer.limits import TokenLimits
 
 logger = logging.getLogger(__name__)
@@ -207,47 +207,30 @@ class ModelReplica:
         processor: OutputProcessor,
         handoff: Handoff | None = None,
     ) -> AsyncIterator[ReplicaChunk]:
-        final: ReplicaChunk | None = None
-        # The ingress's token socket, if on this node: the chunks go there (see TokenOutbox),
-        # each made and put on the link as the engine hands its output over (see Relay)
-        link = await self.outbox.link(processor.req.reply_to)
+        # The ingress's token socket, if this replica can reach it (see TokenOutbox), else the
+        # request's Ray stream: each chunk made and put there as the engine hands its output
+        # over (see Relay)
+        sink: Sink = await self.outbox.link(processor.req.reply_to) or RayStream()
+        relay = Relay(processor, sink, handoff)
         try:
-            if link is not None:
-                relay = Relay(processor, link, handoff)
-                with self.engine.feeding(request, relay.take):
-                    final = await relay.final
-            else:
-                # aclosing: leaving the loop early (all choices hit a stop string) must abort
-                # the engine request now, not whenever its generator is garbage collected.
-                # Outputs the engine made while this stream was still sending earlier ones go
-                # out as one chunk: never waits for tokens, only stops a slow consumer falling
-                # behind.
-                async with aclosing(self.engine.generate_batches(request)) as batches:
-                    async for outputs in batches:
-                        chunk = chunk_of(processor, outputs, handoff)
-                        if chunk is None:
-                            continue
-                        if chunk.finished:
-                            final = chunk
-                            break
-                        yield chunk
+            # leaving the block early (every choice hit a stop string, the consumer went away)
+            # aborts the engine request now
+            with self.engine.feeding(request, relay.take):
+                async for chunk in sink.yielded(relay.final):
+                    yield chunk
+                final = await relay.final
         except Exception as exc:
             final = processor.failure_chunk(exc)
-        if final is None:
-            message = "the engine ended the request without output"
-            final = processor.error_chunk(ErrorKind.ENGINE, message)
         if handoff is not None:
             handoff.stamp(final)
-        held = processor.hold.take() if final.error is not None else None  # stream_interval's
-        if link is None or not link.alive:
-            if held is not None:  # tokens made before the failure, then the failure
-                yield held
-            yield self._final(final)
-        else:
-            if held is not None:  # a frame of its own: not folded into the error chunk
-                link.put(held, now=True)
-            link.put(self._final(final), now=True)  # written before this Ray stream ends
-            await link.drain()
+        if not sink.alive:  # the socket closed: what is left goes through Ray
+            sink = RayStream()
+        if final.error is not None and (held := processor.hold.take()) is not None:
+            sink.put(held, now=True)  # tokens made before the failure, not folded into it
+        sink.put(self._final(final), now=True)  # sent before this Ray stream ends
+        await sink.drain()
+        async for chunk in sink.yielded(None):
+            yield chunk
 
     def _final(self, chunk: ReplicaChunk) -> ReplicaChunk:
         chunk.stats = self.engine.stats()

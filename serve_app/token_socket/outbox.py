@@ -18,7 +18,7 @@ import logging
 import pickle
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from serve_app.messages import ReplicaChunk, StreamAddress
 from serve_app.token_socket.frame import TOKEN_FRAME, pack_chunks
@@ -62,6 +62,13 @@ class Link:
         if self.alive:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._writer.drain(), DRAIN_S)
+
+    async def yielded(self, final: asyncio.Future | None) -> AsyncIterator[ReplicaChunk]:
+        """None: the socket sends every chunk put (`replica.relay.Sink`); waits for `final`."""
+        if final is not None:
+            await final
+        return
+        yield  # (an async generator that yields nothing)
 
     def put(self, chunk: ReplicaChunk, now: bool = False) -> None:
         """Sends chunk with the others put in this turn of the event loop (folded into an

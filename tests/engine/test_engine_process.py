@@ -104,21 +104,21 @@ def test_leaving_early_aborts_in_the_child_and_frees_its_blocks(process_engine):
 
 
 def test_outputs_cross_without_the_prompt_and_get_it_back(process_engine, monkeypatch):
-    """Every step's message leaves the prompt ids out (the parent has them); the outputs a
-    stream gets have them again."""
+    """Every step's message leaves the prompt ids out (the parent has them) and carries each
+    output in its flat form (`serve_app.wire`): streamed outputs as plain values only, which
+    pickle writes without calling back into Python; the outputs a stream gets have them again."""
     from serve_app.engine.host import process as engine_process
 
     read = engine_process.EngineProcess._recv
     crossed = []  # the prompt ids of each output as it came over the socket
-    flat = []  # those that came as plain tuples (pack_step's streamed outputs)
+    flat = []  # whether it came as plain values all the way down
 
     def recv(self):
         message = read(self)
         if isinstance(message[0], list):
-            for packed in message[0]:
-                pair = len(packed) == 2
-                crossed.append(getattr(packed[1], "prompt_token_ids", None) if pair else None)
-                flat.append(not pair and all(type(v) in PLAIN for v in packed))
+            for _, packed in message[0]:
+                crossed.append(packed[PROMPT_FIELD])
+                flat.append(plain(packed))
         return message
 
     monkeypatch.setattr(engine_process.EngineProcess, "_recv", recv)
@@ -134,17 +134,24 @@ def test_outputs_cross_without_the_prompt_and_get_it_back(process_engine, monkey
     assert len(outputs) == 12 and all(o.prompt_token_ids == prompt for o in outputs)
     # (the reader was already waiting in the unpatched call for the first step's message)
     assert len(crossed) >= 11 and all(ids is None for ids in crossed)
-    assert flat[:-1] == [True] * (len(flat) - 1) and not flat[-1]  # the final output: whole
+    # the final output carries its finish reason (an enum): not plain values only
+    assert flat[:-1] == [True] * (len(flat) - 1) and not flat[-1]
 
 
-PLAIN = (str, int, float, list, type(None))  # what pickle writes without calling Python
+PROMPT_FIELD = [f.name for f in dataclasses.fields(RequestOutput)].index("prompt_token_ids")
 
 
-def test_a_steps_streamed_outputs_pack_flat_and_come_back_equal():
-    """pack_step turns a streamed output (one choice, tokens and timing only) into a tuple of
-    plain values; anything more (every other field of an output or its choice set, several
-    choices, all tokens so far, an exception) stays as it was; unpack_step gives back equal
-    outputs without the prompt."""
+def plain(value) -> bool:
+    """Whether pickle writes value without calling back into Python."""
+    if type(value) in (list, tuple):
+        return all(plain(v) for v in value)
+    return type(value) in (str, int, float, bool, type(None))
+
+
+def test_a_steps_outputs_pack_flat_and_come_back_equal():
+    """pack_step turns every output of a step into its flat form (a streamed one into plain
+    values only) and leaves an exception as it is; unpack_step gives back equal outputs
+    without the prompt."""
 
     def output(rid, *choices, **fields):
         return RequestOutput(rid, [1, 2, 3], list(choices), metrics=StepMetrics(32, 1.5), **fields)
@@ -158,16 +165,9 @@ def test_a_steps_streamed_outputs_pack_flat_and_come_back_equal():
         "generator_state": b"state", "kv_import_ms": 2.0,
     }  # fmt: skip
     more_choice = {
-        "logprobs": [TokenLogprob(7, -0.1)], "finish_reason": FinishReason.LENGTH,
+        "logprobs": [TokenLogprob(7, -0.1, [(8, -2.5)])], "finish_reason": FinishReason.LENGTH,
         "stop_reason": "x", "text": "a",
     }  # fmt: skip
-    # a field added to either class must be packed or named here
-    packed_fields = {"request_id", "prompt_token_ids", "outputs", "metrics"}
-    assert {f.name for f in dataclasses.fields(RequestOutput)} == packed_fields | set(more)
-    packed_choice = {"index", "token_ids", "new_token_ids", "cumulative_logprob"}
-    assert {f.name for f in dataclasses.fields(CompletionOutput)} == packed_choice | set(
-        more_choice
-    )
     first = output("a", streamed())
     first.metrics = StepMetrics(4, 12.0, prefill_time_ms=80.0, num_preemptions=1)
     others = [output("o", streamed(), **{name: value}) for name, value in more.items()]
@@ -177,8 +177,8 @@ def test_a_steps_streamed_outputs_pack_flat_and_come_back_equal():
     items = [("a", first), ("b", output("b", streamed(cumulative_logprob=-0.5)))]
     items += [("o", other) for other in others] + [("x", RuntimeError("failed"))]
     packed = pack_step(items)
-    assert [len(p) != 2 for p in packed] == [True, True] + [False] * (len(others) + 1)
-    assert all(type(v) in PLAIN for p in packed[:2] for v in p)
+    assert all(type(out) is tuple for _, out in packed[:-1])
+    assert plain(packed[:2]) and packed[-1][1] is items[-1][1]
     back = unpack_step(pickle.loads(pickle.dumps(packed)))
     assert [rid for rid, _ in back] == [rid for rid, _ in items]
     for (_, was), (_, now) in zip(items[:-1], back[:-1], strict=True):

@@ -177,13 +177,13 @@ def test_a_server_drawn_seed_reproduces_the_answer(client):
 def test_priority_and_timeout_reach_the_engine(client, monkeypatch):
     engine = client.app.state.replica.engine
     seen = []
-    original = engine.generate_batches
+    original = engine.feeding
 
-    def spy(request):
+    def spy(request, take):
         seen.append(request)
-        return original(request)
+        return original(request, take)
 
-    monkeypatch.setattr(engine, "generate_batches", spy)
+    monkeypatch.setattr(engine, "feeding", spy)
     before = time.monotonic()
     body = {"input_id": [1, 2, 3], "parameters": {"priority": 2, "timeout": 30, "do_sample": False}}
     assert client.post("/infer_token", json=body).status_code == 200

@@ -511,18 +511,24 @@ async def collect_async(stream):
     return [chunk async for chunk in stream]
 
 
-def test_a_socket_stream_is_made_in_the_steps_hand_over_not_by_its_coroutine(
-    replica, prompt, reference, monkeypatch
+@pytest.mark.parametrize("sink", ["socket", "ray"])
+def test_a_stream_is_made_in_the_steps_hand_over_not_by_its_coroutine(
+    replica, prompt, reference, monkeypatch, sink
 ):
-    """Through the token socket the chunks are made as the engine hands each output over
-    (AsyncEngine.feeding): the request's coroutine does not iterate the engine's outputs."""
+    """Through the token socket and through Ray alike (one sink interface, replica/relay.py)
+    the chunks are made as the engine hands each output over (AsyncEngine.feeding): the
+    request's coroutine does not iterate the engine's outputs."""
 
     def no_batches(request):
-        raise AssertionError("a socket stream iterated generate_batches")
+        raise AssertionError("a stream iterated generate_batches")
 
     monkeypatch.setattr(replica.engine, "generate_batches", no_batches)
-    chunks, yielded, _ = through_token_socket(replica, request(prompt, greedy()))
-    assert yielded == [] and joined(chunks, attr="token_ids") == reference.token_ids
+    if sink == "socket":
+        chunks, yielded, _ = through_token_socket(replica, request(prompt, greedy()))
+        assert yielded == []
+    else:
+        chunks = collect(replica, request(prompt, greedy()))
+    assert joined(chunks, attr="token_ids") == reference.token_ids
     wait_idle(replica)
 
 

@@ -171,7 +171,7 @@ def test_a_link_that_closed_ends_the_request_even_while_chunks_are_held(tokenize
     the very next output ends the request (and so frees its blocks), not the next release."""
     import asyncio
 
-    from serve_app.token_socket.relay import SOCKET_CLOSED, Relay
+    from serve_app.replica.relay import SOCKET_CLOSED, Relay
 
     ids = tokenizer.encode("one two three four five six")
     req = ReplicaRequest("r", [1, 2, 3], SamplingParams(), stream=True, stream_interval=1000)
