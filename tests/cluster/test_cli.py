@@ -134,9 +134,10 @@ def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
     """The README's cluster path: with RAY_AUTH_MODE=token exported (Ray 2.60's `ray start`
     turns token auth on; its CLI sends the token only in that mode), `serve deploy` of the PD
     file, `serve status`, `serve shutdown`; then `serve run` on the same cluster, stopped by
-    Ctrl-C (on the smallest app: deployments.yaml is the `make serve` test's); one Ray start
-    for both."""
-    config, base = _config_copy("deployments-pd.yaml", tmp_path)
+    Ctrl-C; one Ray start for both. Both files on the smallest model (the commands are the
+    subject here: what deployments.yaml serves is the `make serve` test's, PD the serve
+    tests')."""
+    config, base = _small_config(tmp_path, "deployments-pd.yaml")
     dashboard = f"http://127.0.0.1:{_free_port()}"
     gcs = f"127.0.0.1:{_free_port()}"
     env = _env(RAY_AUTH_MODE="token")
@@ -176,7 +177,7 @@ def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
                 time.sleep(1)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- ray start output ---\n{_tail(log)}") from None
-        run_config, run_base = _small_config(tmp_path)
+        run_config, run_base = _small_config(tmp_path, "bench/demo.yaml")
         run_log = tmp_path / "serve-run.log"
         run_env = _env(RAY_AUTH_MODE="token", RAY_ADDRESS=gcs)
         run = _start([str(BIN / "serve"), "run", str(run_config)], run_env, run_log)
@@ -298,11 +299,11 @@ def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp
         _stop(process)
 
 
-def _small_config(tmp_path: Path) -> tuple[Path, str]:
-    """bench/demo.yaml on the smallest app (demo-tiny, its engine in the replica, no
-    embeddings), for the commands whose subject is how they start and stop, not what they
-    serve: deployments.yaml itself is served whole by the `make serve` test."""
-    config, base = _config_copy("bench/demo.yaml", tmp_path)
+def _small_config(tmp_path: Path, name: str) -> tuple[Path, str]:
+    """The YAML on the smallest app (demo-tiny, its engine in the replica, no embeddings), for
+    the commands whose subject is how they start and stop, not what they serve:
+    deployments.yaml itself is served whole by the `make serve` test."""
+    config, base = _config_copy(name, tmp_path)
     spec = yaml.safe_load(config.read_text())
     args = spec["applications"][0]["args"]
     args.pop("EmbeddingConfig", None)
@@ -319,7 +320,7 @@ def test_make_serve_quits_on_sigterm(tmp_path):
     """SIGTERM (`kill`, a service manager's stop) stops it as Ctrl-C does, leaving nothing.
     On the smallest app: the stop, with an engine process and an embedding replica among what
     it stops, is the test above's."""
-    config, base = _small_config(tmp_path)
+    config, base = _small_config(tmp_path, "bench/demo.yaml")
     process, log, marker = _serve_command(config, tmp_path, "sigterm")
     try:
         _wait_ready_line(process, log, base)
