@@ -24,12 +24,15 @@ from serve_app.engine.sampler import Sampler
 from serve_app.engine.scheduler import KVWrite, ScheduledBatch, Scheduler
 from serve_app.engine.sequence import Request
 from serve_app.engine.update import Updater
+from serve_app.models.loader import tokenizer_eos_ids
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, with_tokenizer: bool = True):
+        """with_tokenizer=False: no tokenizer (`tokenizer` None); the end-of-sequence ids are
+        then the model config's until the owner adds the tokenizer's (`eos_token_ids`)."""
         self.config = config  # checked when it was built
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, with_tokenizer)
         self.tokenizer = self.runner.tokenizer
         hf = self.runner.hf_config
         self.vocab_size = hf.vocab_size
@@ -68,8 +71,7 @@ class LLMEngine:
         for source in (self.runner.hf_config, generation):
             value = getattr(source, "eos_token_id", None) if source is not None else None
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
+        ids.update(tokenizer_eos_ids(self.tokenizer))
         return ids
 
     @property

@@ -43,6 +43,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def tokenizer_eos_ids(tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    """The tokenizer's end-of-sequence id, as a set (empty without one)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return set() if eos is None else {eos}
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 

@@ -369,3 +369,31 @@ def test_a_consumer_that_raises_does_not_starve_the_others(process_engine, caplo
     assert sum(len(o.outputs[0].new_token_ids) for o in got) == GREEDY.max_tokens
     assert "a bug in a consumer" in caplog.text
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_the_child_ends_sequences_at_the_tokenizers_eos_it_never_loads(tmp_path):
+    """The engine process loads no tokenizer (its parent loads it meanwhile and hands over its
+    end-of-sequence id): a model whose config names no end-of-sequence id still stops at the
+    tokenizer's, in the child as on a thread."""
+    import json
+
+    from serve_app.models.demo import ensure_demo_model
+
+    demo_path = ensure_demo_model("demo-tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(demo_path / name)
+    config = json.loads((demo_path / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))  # and no generation_config.json
+    eos = json.loads((demo_path / "tokenizer_config.json").read_text())["eos_token"]
+    tiny = CONFIG.replace(model=str(tmp_path), num_kv_blocks=16)
+    thread = AsyncEngine(tiny)
+    process = AsyncEngine(tiny.replace(engine_process=True))
+    try:
+        expected = thread.tokenizer.convert_tokens_to_ids(eos)
+        assert process.tokenizer.convert_tokens_to_ids(eos) == expected
+        assert thread.info.eos_token_ids == process.info.eos_token_ids == (expected,)
+        assert process._host.pid != os.getpid() and thread.engine is not None
+    finally:
+        process.shutdown()
+        thread.shutdown()

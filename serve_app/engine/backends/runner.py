@@ -24,13 +24,14 @@ from serve_app.models.loader import load_model, load_tokenizer, resolve_model_pa
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, with_tokenizer: bool = True):
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.backend = backend_for(config, self.device, self.dtype)
         self.model_path = resolve_model_path(config.model)
-        self.tokenizer = load_tokenizer(self.model_path)
+        # (an engine process leaves it to its parent, which loads it while this loads the model)
+        self.tokenizer = load_tokenizer(self.model_path) if with_tokenizer else None
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.hf_config = self.model.config
         self.block_size = config.block_size

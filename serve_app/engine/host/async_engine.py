@@ -51,9 +51,7 @@ class AsyncEngine:
             self._host = EngineProcess(
                 config, self._deliver_all, self._fail_all, torch.get_num_threads()
             )
-            from serve_app.models.loader import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self._host.info.model_path)
+            self._tokenizer = self._host.tokenizer  # loaded while the child loaded the model
         else:
             if engine is None:
                 from serve_app.engine.llm_engine import LLMEngine

@@ -57,6 +57,7 @@ class EngineInfo:
     cpus: tuple[int, ...] = ()  # bound to these cores; () = not bound
     spare_cpus: tuple[int, ...] = ()  # helpers of its CPU GEMMs run on these (idle priority)
     decode_graphs: int = 0  # CUDA: batch sizes whose decode steps replay as graphs
+    eos_token_ids: tuple[int, ...] = ()  # the model config's and the tokenizer's
 
     @classmethod
     def of(cls, engine, cpus: tuple[int, ...] = (), spare_cpus: tuple[int, ...] = ()) -> EngineInfo:
@@ -73,6 +74,7 @@ class EngineInfo:
             cpus,
             spare_cpus,
             decode_graphs=len(runner.decode_graphs.sizes) if runner.decode_graphs else 0,
+            eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         )
 
     def placement(self) -> str:
@@ -116,10 +118,22 @@ class EngineProcess:
         )
         theirs.close()
         self.send((config, num_threads))
-        try:
-            kind, payload = self._recv()
-        except (EOFError, OSError):
-            kind, payload = "exited", None
+        from serve_app.models.loader import load_tokenizer, tokenizer_eos_ids
+
+        self.tokenizer = None
+        kind, payload = self._receive()
+        if kind == "path":
+            # The tokenizer loads here while the child loads the model (the child has none);
+            # the child adds its end-of-sequence id to the model config's before it is ready.
+            try:
+                self.tokenizer = load_tokenizer(payload)
+            except BaseException:
+                self._process.kill()
+                self._wait(5)
+                self._conn.close()
+                raise
+            self.send(("eos", tokenizer_eos_ids(self.tokenizer)))
+            kind, payload = self._receive()
         if kind != "ready":
             code = self._wait(5)
             self._conn.close()
@@ -169,6 +183,13 @@ class EngineProcess:
     def _recv(self):
         return pickle.loads(self._conn.recv_bytes())
 
+    def _receive(self) -> tuple[str, object]:
+        """The child's next start-up message; ("exited", None) if it is gone."""
+        try:
+            return self._recv()
+        except (EOFError, OSError):
+            return "exited", None
+
     def _read(self) -> None:
         while True:
             try:
@@ -193,8 +214,13 @@ def _child_main(fd: int) -> None:
         torch.set_num_threads(len(config.engine_cpus) or num_threads)
         from serve_app.engine.backends.cpu.spare_cores import lend_spare_cores
         from serve_app.engine.llm_engine import LLMEngine
+        from serve_app.models.loader import resolve_model_path
 
-        engine = LLMEngine(config)
+        _send(conn, ("path", str(resolve_model_path(config.model))))
+        engine = LLMEngine(config, with_tokenizer=False)
+        kind, eos = pickle.loads(conn.recv_bytes())  # the parent's tokenizer's
+        assert kind == "eos", kind
+        engine.eos_token_ids = engine.eos_token_ids | eos
         spare = ()  # helpers only for the CPU kernels
         if engine.runner.device.type == "cpu" and lend_spare_cores(config.engine_spare_cpus):
             spare = config.engine_spare_cpus
