@@ -15,6 +15,7 @@ import platform
 import random
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -96,7 +97,8 @@ def usable_cores() -> int | None:
 
 
 def machine_info(packages: tuple[str, ...], **extra) -> dict:
-    """CPU, usable cores, the given packages' versions, Python, the platform, then `extra`."""
+    """CPU, usable cores, the given packages' versions, Python, the platform, the machine's kind
+    (its results' folder), then `extra`."""
     versions = {}
     for name in packages:
         try:
@@ -110,15 +112,89 @@ def machine_info(packages: tuple[str, ...], **extra) -> dict:
         **versions,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "kind": machine_kind(),
         **extra,
     }
 
 
+# Where /proc/cpuinfo's model name carries no model number (a cloud VM's "AMD EPYC" or "Intel(R)
+# Xeon(R) Processor"), the family and model numbers tell the generation apart: 2-core VMs of
+# three AMD generations all call themselves "AMD EPYC", and their figures differ by 4x.
+AMD_GENERATIONS = {  # family: ((first model, last model, name), ...)
+    23: ((0x00, 0x2F, "zen"), (0x30, 0xFF, "zen2")),
+    25: ((0x00, 0x0F, "zen3"), (0x10, 0x1F, "zen4"), (0x20, 0x5F, "zen3"), (0x60, 0xAF, "zen4")),
+    26: ((0x00, 0xFF, "zen5"),),
+}
+INTEL_GENERATIONS = {  # family 6 models of Xeon server parts
+    106: "ice-lake",
+    143: "sapphire-rapids",
+    173: "granite-rapids",
+    207: "emerald-rapids",
+}
+
+
+def cpu_generation() -> str | None:
+    """The CPU's generation from /proc/cpuinfo's family and model numbers (zen4, emerald-rapids,
+    else f<family>m<model>); None where /proc/cpuinfo does not give them."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():
+                    break
+    except OSError:
+        return None
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return None
+    if fields.get("vendor_id") == "AuthenticAMD":
+        for first, last, name in AMD_GENERATIONS.get(family, ()):
+            if first <= model <= last:
+                return name
+    elif fields.get("vendor_id") == "GenuineIntel" and family == 6 and model in INTEL_GENERATIONS:
+        return INTEL_GENERATIONS[model]
+    return f"f{family}m{model}"
+
+
+def gpu_model() -> str | None:
+    """The first NVIDIA GPU's name as nvidia-smi gives it, with the count when there are more
+    (e.g. "NVIDIA H200", "8x NVIDIA H200"); None without nvidia-smi or a GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode or not names:
+        return None
+    return names[0] if len(names) == 1 else f"{len(names)}x {names[0]}"
+
+
 def machine_kind() -> str:
-    """This machine's kind as a folder name: its CPU model and the cores this process may use,
-    e.g. amd-epyc-7b13-2c."""
-    words = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*$|\d+-core", " ", cpu_model().lower())
-    slug = "-".join(re.findall(r"[a-z0-9]+", words)) or "unknown"
+    """This machine's kind as a folder name: its GPU where it has one (nvidia-h200-16c), else its
+    CPU model (with the generation where the model name gives no number: amd-epyc-zen4-2c), and
+    the cores this process may use. It names the machine, not the device a run used."""
+    gpu = gpu_model()
+    if gpu:
+        slug = "-".join(re.findall(r"[a-z0-9]+", gpu.lower()))
+    else:
+        name = cpu_model()
+        words = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*$|\d+-core", " ", name.lower())
+        slug = "-".join(re.findall(r"[a-z0-9]+", words)) or "unknown"
+        generation = cpu_generation() if not re.search(r"\d", slug) else None
+        if generation:
+            slug = f"{slug}-{generation}"
     return f"{slug}-{usable_cores()}c"
 
 

@@ -921,8 +921,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=None,
-        help="JSON result (default bench/results/engine.json, engine-quick.json with --quick; "
-        "engine-MODEL.json for another --model)",
+        help="JSON result (default bench/results/engine/<machine kind>/<date>.json, labelled "
+        "-MODEL for another --model and -quick with --quick)",
     )
     return parser
 

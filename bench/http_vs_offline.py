@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds the server may take to be ready")  # fmt: skip
     p.add_argument("--settle", type=float, default=10.0,
                    help="seconds of quiet after the server stops")  # fmt: skip
-    p.add_argument("--out", type=Path, default=default_out("http-vs-offline"))
+    p.add_argument("--out", type=Path, default=default_out("http_vs_offline"))
     args = p.parse_args(argv)
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")

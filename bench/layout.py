@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.layout                          # demo, bfloat16, 32 x 128 x 128
     .venv/bin/python -m bench.layout --engine-cpus 3 --spare-cpus 0-2 --rounds 6
-    .venv/bin/python -m bench.layout --dtype float32 --out bench/results/layout-fp32.json
+    .venv/bin/python -m bench.layout --dtype float32
 
 The server's default layout on CPU (deployments.yaml: engineProcess, engineCpus, engineSpareCpus)
 runs the step loop on its own cores with a torch thread each and lends it helper threads on the

@@ -17,7 +17,8 @@ Without --url it starts `python -m serve_app` (what `make serve` runs) on a copy
    stops, and the resident memory of its replica processes (Ray's ServeReplica workers and the
    engine processes, on this machine) sampled before, during and after.
 
-It prints a table and writes bench/results/overload.json. README, "Overload", has a run.
+It prints a table and writes its JSON under bench/results/overload/ (docs/benchmarks.md has the
+latest run).
 """
 
 from __future__ import annotations

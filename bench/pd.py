@@ -606,7 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="JSON result (default bench/results/pd.json, pd-quick.json with --quick)",
+        help="JSON result (default bench/results/pd/<machine kind>/<date>.json, labelled -quick "
+        "with --quick)",
     )
     args = parser.parse_args(argv)
     if args.duration is None:

@@ -12,7 +12,8 @@ fate: read to the end, hang up after the first event (a client disconnect), a se
 Every request must end with an answer or a clear error (no 5xx other than a timeout's, no hang).
 Afterwards /metrics must show nothing running or waiting and an empty KV cache, and the resident
 memory of the serving processes (Ray's ServeReplica workers and the engine processes, on this
-machine) must be within --rss-slack-mb of what it was after the warm-up. bench/results/soak.json.
+machine) must be within --rss-slack-mb of what it was after the warm-up. The JSON goes under
+bench/results/soak/.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="stand-ins to run: bare,app")
     p.add_argument("--live", help="also a running server's base URL (needs --live-pid)")
     p.add_argument("--live-pid", type=int, help="that server's process (with its descendants)")
-    p.add_argument("--out", type=Path, default=default_out("sse-floor"))
+    p.add_argument("--out", type=Path, default=default_out("sse_floor"))
     p.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)  # the server processes
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -6,7 +6,7 @@ application `args` (or a YAML/JSON file) into a frozen `AppConfig` before any de
 limits), the tokenizer pool its token limits (`tokenizer.limits.TokenLimits.of`), each model replica
 `AppConfig.engine_config()`, each embedding replica its `EmbeddingConfig[]` item. Keys and
 defaults follow MindIE Server's config.json; our additions say "(extension)" in their
-description (README, "Configuration").
+description (docs/configuration.md).
 
     server.py       ServerConfig
     backend.py      BackendConfig: ModelDeployConfig (ModelConfig[]), ScheduleConfig

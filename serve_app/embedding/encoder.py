@@ -12,7 +12,7 @@ keep the first `max_seq_length` tokens instead; a client that wants that can cut
 
 Threads: the forward pass uses torch's intra-op threads as the process has them; in a Ray
 replica that is the deployment's `num_cpus` (Ray sets OMP_NUM_THREADS from it), the same rule
-as the model replicas' engines (README, "Sizing the serving path"). `num_threads` overrides it.
+as the model replicas' engines (docs/cpu-serving.md). `num_threads` overrides it.
 """
 
 from __future__ import annotations
