@@ -12,8 +12,8 @@ replica's runtime_env; a user's own env_vars win key by key): user code on the r
 event loop instead of a second thread, gRPC as the default of handles made in the replicas (the
 ingress's bound handles are made by the app's builder: it asks for gRPC itself,
 `ingress/deployment.over_grpc`), and the handle's router on the caller's loop. Each streamed
-chunk then costs fewer thread hops and no Ray task submission; on 2 cores this raised the HTTP
-throughput at 32 streams by about a fifth (docs/performance.md, "Over HTTP").
+chunk then costs fewer thread hops and no Ray task submission, CPU that on 2 cores comes out
+of the engine's share (docs/performance.md, "Over HTTP").
 Ray Serve's own request metrics are exported once a second instead of ten times (each replica,
 and each handle's router, wakes up for it).
 """
@@ -62,8 +62,9 @@ SERVE_FAST_PATH_ENV = {
 
 # Ray Serve writes an access-log line per call in every deployment; the HTTP request's line comes
 # from the ingress, so the deployments it calls (tokenizer pool, model and embedding replicas,
-# the stop registry) write none by default: at 32 streams the three lines a request cost ~1.5 %
-# of the serving path's core, most of it in Ray forwarding each line to the driver's console.
+# the stop registry) write none by default: every line costs the serving path's core CPU, most
+# of it in Ray forwarding each line to the driver's console (docs/performance.md, "The serving
+# path's own lines and streams").
 QUIET_CALLS = {"enable_access_log": False}
 
 

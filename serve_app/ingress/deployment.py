@@ -58,9 +58,9 @@ def over_grpc(handle: Any) -> Any:
     """The handle, its calls sent over Ray Serve's gRPC transport rather than as Ray actor
     tasks. The handles an app is bound with are made by whoever builds the app (`serve run`,
     `python -m serve_app`), with that process's default (actor tasks), so the ingress asks for
-    gRPC itself: at 32 streams on 2 cores, the Python of routing and submitting actor tasks was a
-    third of the ingress's event loop and is now a few % (docs/performance.md, "What crosses
-    and what attends").
+    gRPC itself: routing and submitting an actor task runs a lot of Python on the ingress's
+    event loop for every call, where a gRPC call runs little (docs/performance.md, "What
+    crosses and what attends").
     Not for the PD handles: a prefill's result and a decode request carry the KV's ObjectRef,
     which only Ray's own serialization passes on with its ownership."""
     return handle.options(_by_reference=False)

@@ -1,13 +1,13 @@
 """A stream's items, one at a time, with a wait for the next that a stop or a deadline can end.
 
 Racing each `anext()` against a stop event and a timeout with `asyncio.wait` costs a task, a
-wait set and four callbacks per item: ~30 us of the ingress's CPU for every streamed chunk (38
-against 8 for a plain `async for`, measured alone). A reader task that calls `anext()` for the
-consumer and hands each item over in a future still cost a second task switch per item. Here the
-consumer's own task awaits `anext()`, and the stop callback or the deadline's timer, when it
-fires during that wait, cancels the wait (and so the stream, whose request is then abandoned):
-`next()` returns INTERRUPTED instead of the cancellation. A cancellation from anywhere else
-(the client went away) is not swallowed.
+wait set and four callbacks per item, several times what a plain `async for` costs, on the
+ingress's CPU for every streamed chunk (docs/performance.md, "The serving path's own lines and
+streams"). A reader task that calls `anext()` for the consumer and hands each item over in a
+future still cost a second task switch per item. Here the consumer's own task awaits `anext()`,
+and the stop callback or the deadline's timer, when it fires during that wait, cancels the wait
+(and so the stream, whose request is then abandoned): `next()` returns INTERRUPTED instead of
+the cancellation. A cancellation from anywhere else (the client went away) is not swallowed.
 """
 
 from __future__ import annotations

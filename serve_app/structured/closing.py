@@ -71,8 +71,9 @@ class ClosingPolicy:
         self, sim: xgr.GrammarMatcher, lexer: JsonLexer, bitmask: torch.Tensor
     ) -> int | None:
         """Take the policy's next token into `sim` and `lexer`. Candidates are tried by
-        accepting them (a refusal costs ~1 us and changes nothing); only the last resort needs
-        the full mask (~20-30 us)."""
+        accepting them (a refusal is cheap and changes nothing), where the full mask walks the
+        whole vocabulary: only the last resort needs it (docs/performance.md, "Masks and the
+        closing policy")."""
         token = self._accept_longest(sim, sim.find_jump_forward_string().encode("utf-8"))
         if token is None:
             token = self._accept_longest(sim, lexer.closing_text())

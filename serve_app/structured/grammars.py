@@ -1,11 +1,12 @@
 """xgrammar's view of a model's vocabulary and the grammars compiled against it, cached for the
 whole process.
 
-Building a vocabulary's `TokenizerInfo` takes 0.15-0.6 s and a schema compiles in ~5-20 ms,
-while a request may start several sequences (n > 1) and many requests share one schema: so
-both are built once per (model folder, logits width) and per (that, kind, schema). Everything
-here runs where the engine runs (its thread or its child process), so xgrammar is imported
-there, not where requests are parsed.
+Building a vocabulary's `TokenizerInfo` walks the whole vocabulary and compiling a schema builds
+its token masks, each costing far more than a sequence's step, while a request may start several
+sequences (n > 1) and many requests share one schema: so both are built once per (model folder,
+logits width) and per (that, kind, schema) (docs/performance.md, "Grammars and their caches").
+Everything here runs where the engine runs (its thread or its child process), so xgrammar is
+imported there, not where requests are parsed.
 
 Every grammar is compiled without free whitespace (`any_whitespace=False`): a model may not pad
 its output with spaces and newlines, which both wastes tokens and lets a random model wander.
@@ -26,9 +27,10 @@ if TYPE_CHECKING:
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any object, any properties
 _CONTROL = re.compile(rb"[\x00-\x1f]")
-_MAX_GRAMMARS = 256  # compiled grammars kept (a small schema takes ~0.1 MB)
+_MAX_GRAMMARS = 256  # compiled grammars kept (a small schema's is small beside a model)
 # xgrammar's compiler cache also keeps the sub-grammars schemas share (a string's token masks),
-# which makes a second schema compile in ~1 ms instead of ~15 ms
+# so that a second schema reuses them instead of computing them again (docs/performance.md,
+# "Grammars and their caches")
 _COMPILER_CACHE_BYTES = 256 << 20
 
 
@@ -54,7 +56,7 @@ def vocabulary(model_path: str, vocab_size: int) -> Vocabulary:
     from serve_app.models.loader import load_tokenizer
 
     info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(model_path), vocab_size=vocab_size)
-    token_bytes = info.decoded_vocab  # a property that rebuilds the list (~0.15 s): once
+    token_bytes = info.decoded_vocab  # a property that rebuilds the whole list: read once
     special = set(info.special_token_ids)
     token_of: dict[bytes, int] = {}
     for token, data in enumerate(token_bytes):

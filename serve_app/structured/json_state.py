@@ -2,10 +2,10 @@
 that output within the sequence's token budget.
 
 The promise kept: the closing policy (closing.py) can always complete the output within the
-tokens that remain. Far from the end of the budget the mask is just the grammar's (~0.1-0.3 ms
-on a 151936-token vocabulary), and every `MEASURE_EVERY` output tokens the state measures the
-policy's path from there. Once the remaining tokens come within `WINDOW` of that measure (or of
-`MAX_MEASURE`, whichever is larger), it plans every step:
+tokens that remain. Far from the end of the budget the mask is just the grammar's, the cheap
+case (docs/performance.md, "Masks and the closing policy"), and every `MEASURE_EVERY` output
+tokens the state measures the policy's path from there. Once the remaining tokens come within
+`WINDOW` of that measure (or of `MAX_MEASURE`, whichever is larger), it plans every step:
 
 * when the path needs as many tokens as remain, the policy's token is forced, and the next step
   finds the same path one token shorter, down to the last allowed token;
@@ -159,9 +159,10 @@ class JsonState:
         row[index] = kept
 
     def _apply(self, row: torch.Tensor) -> None:
-        """-inf wherever the bitmask has a 0. xgrammar's CPU kernel costs ~4 ns per banned
-        token (~30 us inside a string, which bans few; ~0.6 ms on a 151936-wide row that allows
-        few); one masked copy costs ~40 us whatever the mask: each where it is cheaper."""
+        """-inf wherever the bitmask has a 0. xgrammar's CPU kernel costs in proportion to the
+        tokens it bans (little inside a string, which bans few; far more on a wide row that
+        allows few), one masked copy the same whatever the mask: each where it is cheaper, the
+        two meeting at _FEW_BANNED (docs/performance.md, "Masks and the closing policy")."""
         import xgrammar as xgr
 
         words = self.bitmask.numpy()[0]

@@ -115,7 +115,8 @@ def min_output_tokens(
     tokenizer (0: no promise can be made): a request with a smaller max_tokens gets a cut
     output, so a caller can refuse it first. The engine refuses it too (RequestRejected).
     vocab_size: the logits' width; default: config.json's vocab_size. Loads the tokenizer the
-    first time (~0.2-0.6 s)."""
+    first time, far slower than any later call (docs/performance.md, "Grammars and their
+    caches")."""
     from serve_app.engine.constraint import ConstraintContext
 
     if vocab_size is None:

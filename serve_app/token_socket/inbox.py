@@ -158,9 +158,10 @@ class TokenInbox:
         self, request_id: str, watcher: asyncio.Future | None, linger: bool = False
     ) -> None:
         """linger: the request's final chunk came, and its Ray stream ends right after it:
-        the watcher reads that end instead of cancelling the stream (a gRPC call cancelled
-        while open cost the ingress ~0.3 ms per request), and is cancelled only if the end
-        has not come within LAST_CHUNK_S."""
+        the watcher reads that end instead of cancelling the stream (cancelling a gRPC call
+        while it is open costs both sides more CPU than reading its end: docs/performance.md,
+        "The serving path's own lines and streams"), and is cancelled only if the end has not
+        come within LAST_CHUNK_S."""
         self._queues.pop(request_id, None)
         self._carriers.pop(request_id, None)
         if watcher is None or watcher.done():

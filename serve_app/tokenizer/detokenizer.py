@@ -110,8 +110,9 @@ class IncrementalDetokenizer:
 
 def _rust_backend(tokenizer: Any) -> Any:
     """The Rust tokenizer under a fast tokenizer whose `decode` is the library's and cleans up
-    no spaces (its own `decode` then returns the same text: ~1.7 us a call against ~8.4 for the
-    wrapper's argument handling), else None (the tokenizer's `decode` is used)."""
+    no spaces (its own `decode` then returns the same text and skips the wrapper's argument
+    handling, which costs several times the decode itself: docs/performance.md,
+    "Detokenizing"), else None (the tokenizer's `decode` is used)."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # transformers 4 names the class differently: no shortcut there
@@ -130,8 +131,9 @@ def _rust_backend(tokenizer: Any) -> Any:
 
 def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool) -> Any:
     """`tokenizers`' DecodeStream over the Rust tokenizer, `context` as its emitted window; None
-    without a Rust tokenizer or where the library has none that takes a context (~0.8 us a token
-    against ~2.6 for the two decodes of the Python path)."""
+    without a Rust tokenizer or where the library has none that takes a context (one call into
+    Rust a token, where the Python path makes two decodes and slices between them:
+    docs/performance.md, "Detokenizing")."""
     if backend is None:
         return None
     try:

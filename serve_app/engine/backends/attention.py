@@ -29,9 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from serve_app.engine.backends.metadata import AttentionMetadata, Prompts
 
 ATTENTION_NAME = "serve_app_paged"
-# sdpa's backends on CUDA, without cuDNN's: it builds an execution plan for every new shape,
-# and decoding has a new one every step (the context grows): ~2.6 ms of host time a call, a
-# decode step at batch 64 of a 1B model ~6x slower on an H200 until every length had been seen.
+# sdpa's backends on CUDA, without cuDNN's: it builds an execution plan on the host for every
+# new shape, and decoding has a new one every step (the context grows), so every decode step
+# paid for planning until every length had been seen (docs/performance.md, "On a GPU").
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -126,8 +126,8 @@ def register(name: str = ATTENTION_NAME, fn=torch_paged_attention) -> str:
     """`fn` as transformers' attention `name`, with no mask function: masking is the attention
     function's job (the step's metadata), and for an attention without a mask function of its
     own transformers' mask builders return at once (with one, every forward went through their
-    argument checks and a search for packed sequences in the positions: ~2 % of a decode step on
-    the demo model)."""
+    argument checks and a search for packed sequences in the positions, for a mask our
+    attention never reads: docs/performance.md, "Fused layers and small ops")."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, fn)

@@ -39,8 +39,9 @@ from serve_app.placement import bind_process, check_cores, format_cpus
 # glibc malloc in the engine process (the environment's own settings win): buffers up to 1 GiB
 # come from the heap and freed ones stay there, instead of a fresh mmap (and a page fault per
 # 4 KiB) for every buffer over glibc's 32 MiB ceiling, which is every step's logits from ~54
-# sequences on with a 151936-word vocabulary: converting 64 rows of bf16 logits to float32 took
-# 17 ms that way against 2 ms from the heap, on a ~130 ms step.
+# sequences on with a 151936-word vocabulary: faulting in every page of fresh memory made
+# converting the logits to float32 several times slower than reusing heap memory, a cost paid
+# every step (docs/performance.md, "The engine process and core placement").
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
@@ -231,8 +232,9 @@ def _child_main(fd: int) -> None:
         return
 
     # whether the parent sent something, asked before every step: one poll(2) on a poller made
-    # once (Connection.poll builds a selector each time; at 32 streams that check took ~45 us of
-    # every step, with the caches the step's kernels leave, and now ~16)
+    # once (Connection.poll builds a selector each time, paid on every step in the cold caches
+    # the step's kernels leave: docs/performance.md, "A step's outputs, engine process to model
+    # replica")
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
 

@@ -115,7 +115,8 @@ def _load() -> None:
     """Load the finished build of this fingerprint, or build it first. A finished build is
     loaded as it is, without asking ninja again: ninja rebuilds whenever the ninja that asks
     differs from the one that built (a venv's ninja and the system's keep different logs), which
-    cost every engine start 10-25 s on machines with both."""
+    made every engine start on machines with both compile the kernels again
+    (docs/performance.md, "Packed and streamed GEMMs")."""
     from torch.utils import cpp_extension
 
     build = _build_dir()

@@ -1,14 +1,15 @@
 """Decode steps replayed as CUDA graphs, one graph per padded batch size.
 
-A decode step of a 1B model in eager mode is ~700 small kernel launches, and on a GPU the host
-issuing them is slower than the GPU running them (measured on an H200: a 25 ms step, 6 ms of it
-GPU work). Captured once as a CUDA graph, the step is one launch. A graph replays fixed shapes
-and fixed addresses, so a step's inputs are copied into buffers the graph was captured over:
-token ids, positions, cache slots, context lengths and block tables, for a batch padded up to
-the next captured size (1, 2, 4, then multiples of 8 up to maxBatchSize, at most 512). Decode
-attention reads the lengths and tables on the device (triton_attention), so one graph serves
-every context length. Padding rows decode token 0 at position 0 into a scratch block that the
-KV pool never hands out, so they write nowhere that matters; their logits are dropped.
+A decode step of a 1B model in eager mode is hundreds of small kernel launches, and on a GPU the
+host issuing them one by one is slower than the GPU running them, so the GPU waits on the host
+for most of the step (docs/performance.md, "On a GPU"). Captured once as a CUDA graph, the step
+is one launch. A graph replays fixed shapes and fixed addresses, so a step's inputs are copied
+into buffers the graph was captured over: token ids, positions, cache slots, context lengths and
+block tables, for a batch padded up to the next captured size (1, 2, 4, then multiples of 8 up
+to maxBatchSize, at most 512). Decode attention reads the lengths and tables on the device
+(triton_attention), so one graph serves every context length. Padding rows decode token 0 at
+position 0 into a scratch block that the KV pool never hands out, so they write nowhere that
+matters; their logits are dropped.
 
 Steps with a prompt chunk, or a batch larger than the largest graph, run eagerly as before.
 `enforceEager: true` turns graphs off. Off CUDA (the tests) a "graph" is the same step run
