@@ -3,8 +3,9 @@ httptools' C parser (the one uvicorn serves with), a streamed body's lines hande
 
 A load generator on the server's own cores takes from the server what it spends itself. Against
 a bare uvicorn stream (bench/sse_floor.py, 32 streams, one chunk per 15 ms each) aiohttp's
-response object, stream reader and line iterator cost ~40 us of the client's CPU per chunk on the
-2-core machine of docs/benchmarks.md (~34 on uvloop); this client ~14-20, most of it the JSON of each event.
+response object, stream reader and line iterator cost ~40 us of the client's CPU per chunk on a
+2-core machine of docs/benchmarks.md (~34 on uvloop); this client ~14-20, most of it the JSON of
+each event.
 `http://` and `https://` URLs; no proxies, redirects or compression (a load generator needs none).
 """
 
