@@ -46,7 +46,8 @@ def main() -> None:
     if not apps:
         sys.exit(f"{args.config}: no applications")
     try:
-        configs = [load_config(dict(app.get("args") or {})) for app in apps]
+        # (the app builder loads each again, and says then what has no effect)
+        configs = [load_config(dict(app.get("args") or {}), warn=False) for app in apps]
     except ConfigError as exc:
         sys.exit(f"{args.config}: {exc}")
 

@@ -6,7 +6,8 @@ application `args` (or a YAML/JSON file) into a frozen `AppConfig` before any de
 limits), the tokenizer pool its token limits (`tokenizer.limits.TokenLimits.of`), each model replica
 `AppConfig.engine_config()`, each embedding replica its `EmbeddingConfig[]` item. Keys and
 defaults follow MindIE Server's config.json; our additions say "(extension)" in their
-description (docs/configuration.md).
+description. Every key declares whether it acts here, has no effect here (a warning when set) or
+is refused (effects.py); docs/configuration.md is generated from all of it (reference.py).
 
     server.py       ServerConfig
     backend.py      BackendConfig: ModelDeployConfig (ModelConfig[]), ScheduleConfig
@@ -15,6 +16,8 @@ description (docs/configuration.md).
     deployments.py  Deployments: Ray Serve options per deployment (extension)
     app.py          AppConfig, and what deployments derive from it
     loading.py      load_config, ConfigError
+    effects.py      Section (every model's base): each key's status, refusals, warnings
+    reference.py    docs/configuration.md, generated
 """
 
 from serve_app.config.app import AppConfig, accelerator_env

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from serve_app.config.backend import BackendConfig, cross_check, mindie_values
 from serve_app.config.deployments import Deployments
+from serve_app.config.effects import Section, acts
 from serve_app.config.embedding import EmbeddingConfig, name_problems
 from serve_app.config.server import ServerConfig
 from serve_app.engine.config import MINDIE_ALIASES, EngineConfig
@@ -19,26 +20,30 @@ _ServerConfig, _BackendConfig, _Deployments = ServerConfig, BackendConfig, Deplo
 _EmbeddingConfig = EmbeddingConfig
 
 
-class AppConfig(BaseModel):
+class AppConfig(Section):
     """The whole application config: Ray Serve application `args`, MindIE config.json names."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     ServerConfig: _ServerConfig = Field(
-        default_factory=_ServerConfig, description="HTTP front end: address, limits, timeouts."
+        default_factory=_ServerConfig,
+        description="HTTP front end: address, limits, timeouts.",
+        json_schema_extra=acts(),
     )
     BackendConfig: _BackendConfig = Field(
-        default_factory=_BackendConfig, description="Devices, models and scheduling."
+        default_factory=_BackendConfig,
+        description="Devices, models and scheduling.",
+        json_schema_extra=acts(),
     )
     EmbeddingConfig: tuple[_EmbeddingConfig, ...] = Field(
         (),
         description=(
             "(extension) Embedding endpoints, one deployment each; empty (default) = none."
         ),
+        json_schema_extra=acts(),
     )
     Deployments: _Deployments = Field(
         default_factory=_Deployments,
         description="(extension) Ray Serve options per deployment: replicas, resources.",
+        json_schema_extra=acts(),
     )
 
     @model_validator(mode="after")

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from serve_app.config.effects import Section, acts, no_effect, refused
 from serve_app.config.model import ModelConfig
 from serve_app.engine import config as engine_config
 from serve_app.engine.config import EngineConfig
 
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
 _ENGINE = EngineConfig()  # the engine's defaults are the config's defaults
 _SCHED = "BackendConfig.ScheduleConfig"
 _DEPLOY = "BackendConfig.ModelDeployConfig"
@@ -29,13 +29,23 @@ def cross_check(problems: list[str]) -> None:
 
 
 _ModelConfig = ModelConfig  # the field below is named like the class; pydantic needs an alias
+_ORDER = (
+    "the engine admits waiting requests by their priority, then by arrival (first come, first "
+    "served among equals); a request sets its own priority"
+)
+_PREEMPT = (
+    "when the KV pool runs out the engine preempts the newest, lowest-priority running requests "
+    "by freeing their blocks and recomputing them later, with no cap; nothing is swapped to "
+    "host memory"
+)
 
 
-class ModelDeployConfig(BaseModel):
-    model_config = _FROZEN
-
+class ModelDeployConfig(Section):
     maxSeqLen: int = Field(
-        _ENGINE.max_seq_len, ge=1, description="Longest sequence, prompt plus output, tokens."
+        _ENGINE.max_seq_len,
+        ge=1,
+        description="Longest sequence, prompt plus output, tokens.",
+        json_schema_extra=acts(),
     )
     maxInputTokenLen: int = Field(
         _ENGINE.max_input_token_len,
@@ -44,14 +54,18 @@ class ModelDeployConfig(BaseModel):
         description=(
             "Longest prompt in tokens; the effective limit is min(maxInputTokenLen, maxSeqLen - 1)."
         ),
+        json_schema_extra=acts(),
     )
     truncation: bool = Field(
-        _ENGINE.truncation, description="Too-long prompts: true = cut, false = reject."
+        _ENGINE.truncation,
+        description="Too-long prompts: true = cut, false = reject.",
+        json_schema_extra=acts(),
     )
     ModelConfig: tuple[_ModelConfig, ...] = Field(
         (_ModelConfig(),),
         min_length=1,
-        description=("Models served (at least one); the default is the built-in demo model."),
+        description="Models served (at least one); the default is the built-in demo model.",
+        json_schema_extra=acts(),
     )
 
     @model_validator(mode="after")
@@ -70,41 +84,79 @@ class ModelDeployConfig(BaseModel):
         return self
 
 
-class ScheduleConfig(BaseModel):
-    model_config = _FROZEN
+# The engine's scheduler (serve_app/engine/scheduler.py) builds every step from the running
+# requests' next tokens plus waiting prompts, chunking a prompt past maxPrefillTokens: MindIE's
+# knobs for choosing between prefill and decode steps have nothing to choose here.
+_MIXED_STEPS = (
+    "every engine step runs the running requests' next tokens and admits waiting prompts beside "
+    "them (chunked by maxPrefillTokens), so there is no prefill-or-decode step to choose; "
+    "tune maxPrefillTokens and maxPrefillBatchSize instead"
+)
 
+
+class ScheduleConfig(Section):
     templateType: Literal["Standard", "Mix"] = Field(
         "Standard",
-        description=(
-            "Standard: prefill and decode in separate steps; Mix: SplitFuse (ignored with dmi)."
-        ),
+        description="Standard: prefill and decode in separate steps; Mix: SplitFuse.",
+        json_schema_extra=no_effect(_MIXED_STEPS),
     )
     cacheBlockSize: int = Field(
-        _ENGINE.block_size, ge=1, le=128, description="Tokens per KV cache block."
+        _ENGINE.block_size,
+        ge=1,
+        le=128,
+        description="Tokens per KV cache block.",
+        json_schema_extra=acts(),
     )
     maxPrefillBatchSize: int = Field(
-        _ENGINE.max_prefill_batch_size, ge=1, description="Most requests in one prefill step."
+        _ENGINE.max_prefill_batch_size,
+        ge=1,
+        description="Most prompts (new or continued) computed in one engine step.",
+        json_schema_extra=acts(),
     )
     maxPrefillTokens: int = Field(
-        _ENGINE.max_prefill_tokens, ge=1, description="Most prompt tokens in one prefill step."
+        _ENGINE.max_prefill_tokens,
+        ge=1,
+        description="Most prompt tokens in one engine step; a longer prompt goes over several.",
+        json_schema_extra=acts(),
     )
     prefillTimeMsPerReq: int = Field(
-        150, ge=0, description="Expected prefill time per request, ms (used by supportSelectBatch)."
+        150,
+        ge=0,
+        description="Expected prefill time per request, ms (used by supportSelectBatch).",
+        json_schema_extra=no_effect(_MIXED_STEPS),
     )
     decodeTimeMsPerReq: int = Field(
-        50, ge=0, description=("Expected decode time per request, ms (used by supportSelectBatch).")
+        50,
+        ge=0,
+        description="Expected decode time per request, ms (used by supportSelectBatch).",
+        json_schema_extra=no_effect(_MIXED_STEPS),
     )
     prefillPolicyType: int = Field(
-        0, ge=0, le=3, description=("Prefill queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.")
+        0,
+        ge=0,
+        le=3,
+        description="Prefill queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.",
+        json_schema_extra=no_effect(_ORDER),
     )
     decodePolicyType: int = Field(
-        0, ge=0, le=3, description=("Decode queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.")
+        0,
+        ge=0,
+        le=3,
+        description="Decode queue policy: 0 FCFS, 1 STATE, 2 PRIORITY, 3 MLFQ.",
+        json_schema_extra=no_effect(_ORDER),
     )
     maxBatchSize: int = Field(
-        _ENGINE.max_batch_size, ge=1, le=5000, description="Most requests in one decode step."
+        _ENGINE.max_batch_size,
+        ge=1,
+        le=5000,
+        description="Most sequences in one engine step (the running batch).",
+        json_schema_extra=acts(),
     )
     maxIterTimes: int = Field(
-        _ENGINE.max_iter_times, ge=1, description="Most tokens generated for one request."
+        _ENGINE.max_iter_times,
+        ge=1,
+        description="Most tokens generated for one request.",
+        json_schema_extra=acts(),
     )
     maxPreemptCount: int = Field(
         0,
@@ -112,43 +164,84 @@ class ScheduleConfig(BaseModel):
         description=(
             "Most requests preempted (swapped to host memory) at once; > 0 needs cpuMemSize > 0."
         ),
+        json_schema_extra=no_effect(_PREEMPT),
     )
     supportSelectBatch: bool = Field(
-        False, description=("Choose prefill or decode steps by the per-request time estimates.")
+        False,
+        description="Choose prefill or decode steps by the per-request time estimates.",
+        json_schema_extra=no_effect(_MIXED_STEPS),
     )
     maxQueueDelayMicroseconds: int = Field(
-        5000, ge=0, description=("Longest wait to fill a batch, in microseconds.")
+        5000,
+        ge=0,
+        description="Longest wait to fill a batch, in microseconds.",
+        json_schema_extra=no_effect(
+            "the engine steps as soon as a request waits and never holds one back to fill a "
+            "batch; requests arriving during a step join the next one"
+        ),
     )
     maxFirstTokenWaitTime: int = Field(
-        2500, ge=0, description="Longest wait for a first token before prefill is favoured, in ms."
+        2500,
+        ge=0,
+        description="Longest wait for a first token before prefill is favoured, in ms.",
+        json_schema_extra=no_effect(_MIXED_STEPS),
     )
     kvCacheBlocks: int = Field(
         _ENGINE.num_kv_blocks,
         ge=0,
-        description="(extension) KV pool size in blocks, used on CPU; 0 = derive from npuMemSize.",
+        description="(extension) KV pool size in blocks, on any device; 0 = size it by npuMemSize.",
+        json_schema_extra=acts(),
     )
     enablePrefixCaching: bool = Field(
         _ENGINE.enable_prefix_caching,
-        description=("(extension) Reuse KV cache blocks of identical prompt prefixes."),
+        description="(extension) Reuse KV cache blocks of identical prompt prefixes.",
+        json_schema_extra=acts(),
     )
 
 
 _ModelDeployConfig, _ScheduleConfig = ModelDeployConfig, ScheduleConfig
 
 
-class BackendConfig(BaseModel):
-    model_config = _FROZEN
-
+class BackendConfig(Section):
     npuDeviceIds: tuple[tuple[Annotated[int, Field(ge=0)], ...], ...] = Field(
-        ((0,),), min_length=1, description="Logical device ids, one list per model instance."
+        ((0,),),
+        min_length=1,
+        description="Logical device ids, one list per model instance.",
+        json_schema_extra=no_effect(
+            "Ray gives each replica its devices (worldSize of them); set the replica count with "
+            "Deployments.ModelReplica.num_replicas and the visible devices with "
+            "ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES where Ray starts"
+        ),
     )
-    tokenizerProcessNumber: int = Field(8, ge=1, le=32, description="Tokenizer processes.")
-    multiNodesInferEnabled: bool = Field(False, description="One model instance spans nodes.")
+    tokenizerProcessNumber: int = Field(
+        8,
+        ge=1,
+        le=32,
+        description=(
+            "Tokenizer processes: the tokenizer pool's replica count, unless "
+            "Deployments.TokenizerPool.num_replicas sets it."
+        ),
+        json_schema_extra=acts(),
+    )
+    multiNodesInferEnabled: bool = Field(
+        False,
+        description="One model instance spans nodes.",
+        json_schema_extra=refused(
+            "tensor or multi-node inference across nodes is not supported: one replica runs on "
+            "devices of one node (worldSize of them); serve on more nodes with more replicas "
+            "(Deployments.ModelReplica.num_replicas) and set multiNodesInferEnabled: false",
+            when=("==", True),
+        ),
+    )
     ModelDeployConfig: _ModelDeployConfig = Field(
-        default_factory=_ModelDeployConfig, description="Sequence limits and the models served."
+        default_factory=_ModelDeployConfig,
+        description="Sequence limits and the models served.",
+        json_schema_extra=acts(),
     )
     ScheduleConfig: _ScheduleConfig = Field(
-        default_factory=_ScheduleConfig, description="Batching and KV cache scheduling."
+        default_factory=_ScheduleConfig,
+        description="Batching and KV cache scheduling.",
+        json_schema_extra=acts(),
     )
 
     @model_validator(mode="after")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
+from serve_app.config.effects import Section, acts
+
 _ACTOR_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
 # Ray Serve's LoggingConfig fields
 _LOGGING_KEYS = (
@@ -19,22 +20,30 @@ _LOGGING_KEYS = (
 _KNOWN_KEYS = {"ray_actor_options": _ACTOR_KEYS, "logging_config": _LOGGING_KEYS}
 
 
-class DeploymentOptions(BaseModel):
+class DeploymentOptions(Section):
     """(extension) Ray Serve options of one deployment; unset keys keep our defaults."""
 
-    model_config = _FROZEN
-
     num_replicas: int | Literal["auto"] | None = Field(
-        None, description="Replica count, or 'auto' for Ray Serve autoscaling defaults."
+        None,
+        description="Replica count, or 'auto' for Ray Serve autoscaling defaults.",
+        json_schema_extra=acts(),
     )
     autoscaling_config: dict[str, Any] | None = Field(
-        None, description="Ray Serve autoscaling_config (min_replicas, max_replicas, ...)."
+        None,
+        description="Ray Serve autoscaling_config (min_replicas, max_replicas, ...).",
+        json_schema_extra=acts(),
     )
     max_ongoing_requests: int | None = Field(
-        None, ge=1, description="Requests one replica works on at once."
+        None,
+        ge=1,
+        description="Requests one replica works on at once.",
+        json_schema_extra=acts(),
     )
     max_queued_requests: int | None = Field(
-        None, ge=-1, description="Requests queued at the handle before 503s; -1 = no limit."
+        None,
+        ge=-1,
+        description="Requests queued at the handle before 503s; -1 = no limit.",
+        json_schema_extra=acts(),
     )
     health_check_period_s: float | None = Field(
         None,
@@ -43,6 +52,7 @@ class DeploymentOptions(BaseModel):
             "Seconds between Ray Serve's health checks of a replica (a model replica whose "
             "engine died fails its next one and is replaced); model replicas default to 10."
         ),
+        json_schema_extra=acts(),
     )
     health_check_timeout_s: float | None = Field(
         None,
@@ -51,6 +61,7 @@ class DeploymentOptions(BaseModel):
             "Seconds a health check may take before the replica counts as unhealthy; model "
             "replicas default to 60."
         ),
+        json_schema_extra=acts(),
     )
     ray_actor_options: dict[str, Any] | None = Field(
         None,
@@ -58,6 +69,7 @@ class DeploymentOptions(BaseModel):
             "Ray actor options: num_cpus, num_gpus, memory, resources (e.g. {NPU: 1}), "
             "accelerator_type, runtime_env. Merged over the options derived from the device."
         ),
+        json_schema_extra=acts(),
     )
 
     logging_config: dict[str, Any] | None = Field(
@@ -68,6 +80,7 @@ class DeploymentOptions(BaseModel):
             "embedding replicas default to enable_access_log false (the ingress logs each HTTP "
             "request); keys set here are merged over that."
         ),
+        json_schema_extra=acts(),
     )
 
     @field_validator("num_replicas")
@@ -93,10 +106,8 @@ class DeploymentOptions(BaseModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-class Deployments(BaseModel):
+class Deployments(Section):
     """(extension) Per-deployment Ray Serve options, by deployment name."""
-
-    model_config = _FROZEN
 
     Ingress: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
@@ -106,6 +117,7 @@ class Deployments(BaseModel):
             "refuses the rest (503, 429 on Databricks paths); Ray Serve's max_ongoing_requests "
             "and max_queued_requests sit above that."
         ),
+        json_schema_extra=acts(),
     )
     TokenizerPool: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
@@ -113,6 +125,7 @@ class Deployments(BaseModel):
             "The tokenizer pool. Defaults: BackendConfig.tokenizerProcessNumber replicas, "
             "num_cpus 0."
         ),
+        json_schema_extra=acts(),
     )
     ModelReplica: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
@@ -120,6 +133,7 @@ class Deployments(BaseModel):
             "Model replicas (one deployment per served model). Defaults: 1 replica; the "
             "accelerator from ModelConfig.device and worldSize (NPU resource, num_gpus or CPU)."
         ),
+        json_schema_extra=acts(),
     )
     Prefill: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
@@ -127,6 +141,7 @@ class Deployments(BaseModel):
             "inferMode dmi: the prefill replicas (one deployment per served model); defaults as "
             "for ModelReplica."
         ),
+        json_schema_extra=acts(),
     )
     Decode: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
@@ -134,6 +149,7 @@ class Deployments(BaseModel):
             "inferMode dmi: the decode replicas (one deployment per served model); defaults as "
             "for ModelReplica."
         ),
+        json_schema_extra=acts(),
     )
     EmbeddingReplica: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
@@ -141,4 +157,5 @@ class Deployments(BaseModel):
             "Embedding replicas (one deployment per EmbeddingConfig[] endpoint). Defaults: 1 "
             "replica, num_cpus 1 (its torch threads: Ray sets them from num_cpus)."
         ),
+        json_schema_extra=acts(),
     )

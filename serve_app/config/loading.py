@@ -1,10 +1,13 @@
 """`load_config`: Ray Serve `args`, a YAML/JSON file or nothing -> a validated, frozen AppConfig,
-or one `ConfigError` listing every problem with its dotted path."""
+or one `ConfigError` listing every problem with its dotted path (refused values among them); a
+key the user set that has no effect here is logged as one warning line per load
+(`serve_app.config.effects`)."""
 
 from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,12 @@ from serve_app.config.backend import (
     ScheduleConfig,
 )
 from serve_app.config.deployments import DeploymentOptions, Deployments
+from serve_app.config.effects import no_effect_warnings
 from serve_app.config.embedding import EmbeddingConfig
 from serve_app.config.server import ServerConfig
 from serve_app.pydantic_errors import dotted, reword
+
+logger = logging.getLogger("serve_app.config")
 
 
 class ConfigError(ValueError):
@@ -55,8 +61,10 @@ _SECTIONS.update(
 API_KEYS_ENV = "SERVE_APP_API_KEYS"
 
 
-def load_config(source: dict | str | Path | None = None) -> AppConfig:
-    """Build the AppConfig from a dict (Ray Serve `args`), a YAML/JSON file path, or defaults."""
+def load_config(source: dict | str | Path | None = None, warn: bool = True) -> AppConfig:
+    """Build the AppConfig from a dict (Ray Serve `args`), a YAML/JSON file path, or defaults;
+    `warn`: log a line for each key set that has no effect here (a check that loads the config
+    again later passes False, so that each line is logged once)."""
     if source is None:
         data: Any = {}
     elif isinstance(source, dict):
@@ -68,7 +76,7 @@ def load_config(source: dict | str | Path | None = None) -> AppConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
     try:
-        return _with_env_keys(AppConfig.model_validate(data))
+        config = AppConfig.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         failed = {error["loc"][:i] for error in errors for i in range(len(error["loc"]))}
@@ -79,6 +87,11 @@ def load_config(source: dict | str | Path | None = None) -> AppConfig:
             if not (error["type"] == "too_short" and error["loc"] in failed)
         ]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+    loaded = _with_env_keys(config)  # may still fail: warn only about a config that loads
+    # read from the config as written, before the environment's API keys join it
+    for line in no_effect_warnings(config) if warn else ():
+        logger.warning(line)
+    return loaded
 
 
 def _read_file(path: Path) -> Any:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from serve_app.config.effects import Section, acts, no_effect
 from serve_app.engine import config as engine_config
 from serve_app.engine.config import DEVICES, DTYPES, EngineConfig
 from serve_app.placement import format_cpus, parse_cpus
 
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
 _ENGINE = EngineConfig()  # the engine's defaults are the config's defaults
 
 
@@ -27,9 +27,7 @@ def served_name(value: str) -> str:
     return value
 
 
-class ModelConfig(BaseModel):
-    model_config = _FROZEN
-
+class ModelConfig(Section):
     modelName: str = Field(
         _ENGINE.model_name,
         min_length=1,
@@ -38,6 +36,7 @@ class ModelConfig(BaseModel):
             "Name clients send as `model`: letters, digits, '-', '.', '_', not starting or ending "
             "with '-', '.', '_'; at most 256 characters."
         ),
+        json_schema_extra=acts(),
     )
     modelWeightPath: str = Field(
         _ENGINE.model,
@@ -48,14 +47,43 @@ class ModelConfig(BaseModel):
             "'demo-tiny' / 'demo-1b' (random weights for tests and benchmarks; 'demo-1b' is "
             "1B-class, for accelerators)."
         ),
+        json_schema_extra=acts(),
     )
-    worldSize: int = Field(1, ge=1, description="Devices one model instance spans.")
-    cpuMemSize: int = Field(5, ge=0, description="Host memory for swapped-out KV cache, in GB.")
+    worldSize: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Devices Ray reserves for each model replica (the NPU resource on Ascend, num_gpus on "
+            "CUDA, none on CPU)."
+        ),
+        # the reservation acts; the model still runs on one device
+        json_schema_extra=no_effect(
+            "above 1, the engine runs the model on one of the devices reserved and the others "
+            "stay idle: tensor parallelism is not implemented yet; scale out with "
+            "Deployments.ModelReplica.num_replicas instead",
+            when=(">", 1),
+            message=(
+                "{path} ({value}) reserves {value} devices for each replica; the engine runs on "
+                "one of them: tensor parallelism is not implemented yet (scale out with "
+                "Deployments.ModelReplica.num_replicas instead)"
+            ),
+        ),
+    )
+    cpuMemSize: int = Field(
+        5,
+        ge=0,
+        description="Host memory for swapped-out KV cache, in GB.",
+        json_schema_extra=no_effect(
+            "nothing is swapped to host memory: a preempted request's blocks are freed and it is "
+            "recomputed later; size the KV pool with npuMemSize or kvCacheBlocks"
+        ),
+    )
     npuMemSize: float = Field(
         _ENGINE.kv_cache_mem_gb,
         description=(
             "KV cache per replica, in GB; -1 = auto (80% of free device memory, 2 GB on CPU)."
         ),
+        json_schema_extra=acts(),
     )
     dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
         _ENGINE.dtype,
@@ -63,16 +91,23 @@ class ModelConfig(BaseModel):
             "(extension) Weight and activation dtype; auto = bfloat16 on accelerators and on "
             "CPUs with bfloat16 arithmetic (AVX512-BF16, AMX), else float32."
         ),
+        json_schema_extra=acts(),
     )
     device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
         _ENGINE.device,
-        description=("(extension) Device to run on; auto = npu if present, else cuda, else cpu."),
+        description="(extension) Device to run on; auto = npu if present, else cuda, else cpu.",
+        json_schema_extra=acts(),
     )
     trustRemoteCode: bool = Field(
         False,
         description=(
             "(extension) Allow model code shipped with the weights "
             "(transformers trust_remote_code)."
+        ),
+        json_schema_extra=no_effect(
+            "model code shipped with the weights is never run: the model loads only if "
+            "transformers itself has its architecture",
+            when=("==", True),
         ),
     )
 
@@ -83,6 +118,7 @@ class ModelConfig(BaseModel):
             "waits on the replica's per-token work (detokenizing, streaming) for Python's "
             "interpreter lock."
         ),
+        json_schema_extra=acts(),
     )
     engineCpus: str = Field(
         "",
@@ -91,6 +127,7 @@ class ModelConfig(BaseModel):
             "(needs engineProcess: true); its torch threads are these cores, and the ingress "
             "and tokenizer pool keep to the other cores of the node. Empty = no binding."
         ),
+        json_schema_extra=acts(),
     )
     engineSpareCpus: str = Field(
         "",
@@ -100,6 +137,7 @@ class ModelConfig(BaseModel):
             "'0' (needs engineProcess: true; not engineCpus): a helper thread per core at the "
             "lowest priority (Linux SCHED_IDLE), which the step never waits for. Empty = none."
         ),
+        json_schema_extra=acts(),
     )
 
     enforceEager: bool = Field(
@@ -108,6 +146,7 @@ class ModelConfig(BaseModel):
             "(extension) On CUDA, run every decode step eagerly instead of replaying the decode "
             "steps captured as CUDA graphs at start (one graph per padded batch size)."
         ),
+        json_schema_extra=acts(),
     )
 
     @field_validator("engineCpus", "engineSpareCpus")

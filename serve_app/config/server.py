@@ -5,29 +5,47 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator
 
+from serve_app.config.effects import Section, acts, no_effect, refused
 from serve_app.engine.config import EngineConfig
 
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
 _ENGINE = EngineConfig()  # the engine's defaults are the config's defaults
 
 
-class ServerConfig(BaseModel):
-    model_config = _FROZEN
-
-    ipAddress: str = Field("127.0.0.1", description="Address the business port listens on.")
+class ServerConfig(Section):
+    ipAddress: str = Field(
+        "127.0.0.1",
+        description="Address the business port listens on.",
+        json_schema_extra=no_effect(
+            "the server listens on the address in the Serve config file's http_options.host"
+        ),
+    )
     port: int = Field(
         8000,
         ge=1,
         le=65535,
-        description=(
-            "Business (inference) port. Our default is 8000, Ray Serve's HTTP port; "
-            "MindIE's is 1025."
+        description="Business (inference) port; MindIE's default is 1025.",
+        json_schema_extra=no_effect(
+            "the server listens on the port in the Serve config file's http_options.port"
         ),
     )
-    managementPort: int = Field(1026, ge=1, le=65535, description="Management port.")
-    metricsPort: int = Field(1027, ge=1, le=65535, description="Prometheus metrics port.")
+    managementPort: int = Field(
+        1026,
+        ge=1,
+        le=65535,
+        description="Management port.",
+        json_schema_extra=no_effect(
+            "management routes are served on the business port (http_options.port)"
+        ),
+    )
+    metricsPort: int = Field(
+        1027,
+        ge=1,
+        le=65535,
+        description="Prometheus metrics port.",
+        json_schema_extra=no_effect("/metrics is served on the business port (http_options.port)"),
+    )
     maxLinkNum: int = Field(
         1000,
         ge=1,
@@ -35,15 +53,20 @@ class ServerConfig(BaseModel):
         description=(
             "Requests served at once; twice as many more may queue, the rest are refused."
         ),
+        json_schema_extra=acts(),
     )
     httpsEnabled: bool = Field(
         False,
-        description=(
-            "TLS on the business port. Default false (MindIE: true): we serve plain HTTP "
-            "through Ray Serve; terminate TLS in front of it."
+        description="TLS on the business port (MindIE's default: true).",
+        json_schema_extra=refused(
+            "the server speaks plain HTTP through Ray Serve; terminate TLS in front of it (a "
+            "reverse proxy or load balancer) and set httpsEnabled: false",
+            when=("==", True),
         ),
     )
-    fullTextEnabled: bool = Field(False, description="Stream chunks carry the whole text so far.")
+    fullTextEnabled: bool = Field(
+        False, description="Stream chunks carry the whole text so far.", json_schema_extra=acts()
+    )
     apiKeys: tuple[SecretStr, ...] = Field(
         (),
         description=(
@@ -51,26 +74,45 @@ class ServerConfig(BaseModel):
             "'Authorization: Bearer <key>'; the SERVE_APP_API_KEYS environment variable "
             "(comma-separated) adds to them where the app is built. Empty: no keys asked."
         ),
+        json_schema_extra=acts(),
     )
     inferMode: Literal["standard", "dmi"] = Field(
         "standard",
         description=(
             "standard: prefill and decode on one instance; dmi: prefill/decode separation."
         ),
+        json_schema_extra=acts(),
     )
-    interCommPort: int = Field(1121, ge=1, le=65535, description="Port for intra-cluster traffic.")
-    openAiSupport: Literal["vllm"] = Field("vllm", description="OpenAI API dialect; only vllm.")
+    interCommPort: int = Field(
+        1121,
+        ge=1,
+        le=65535,
+        description="Port for intra-cluster traffic.",
+        json_schema_extra=no_effect(
+            "deployments talk through Ray, and streamed tokens reach the ingress through the "
+            "token socket (ServerConfig.tokenStream), whose TCP port is picked at start"
+        ),
+    )
+    openAiSupport: Literal["vllm"] = Field(
+        "vllm",
+        description="OpenAI API dialect.",
+        json_schema_extra=no_effect(
+            "the OpenAI routes always speak vLLM's dialect; leave the key out"
+        ),
+    )
     tokenTimeout: int = Field(
         int(_ENGINE.token_timeout_s),
         ge=1,
         le=3600,
-        description=("Longest gap between two tokens of one request, in seconds."),
+        description="Longest gap between two tokens of one request, in seconds.",
+        json_schema_extra=acts(),
     )
     e2eTimeout: int = Field(
         int(_ENGINE.e2e_timeout_s),
         ge=1,
         le=65535,
         description="Longest life of a request, seconds.",
+        json_schema_extra=acts(),
     )
     kvConnector: Literal["object_store"] = Field(
         "object_store",
@@ -78,6 +120,7 @@ class ServerConfig(BaseModel):
             "(extension) inferMode dmi: how KV moves from prefill to decode. object_store: "
             "staged on the host and moved through the Ray object store (works across nodes)."
         ),
+        json_schema_extra=acts(),
     )
     kvLossPolicy: Literal["recompute", "fail"] = Field(
         "recompute",
@@ -86,8 +129,11 @@ class ServerConfig(BaseModel):
             "(prefill replica died, object lost): recompute the prompt on the decode replica, or "
             "fail the request."
         ),
+        json_schema_extra=acts(),
     )
-    maxRequestLength: int = Field(40, ge=1, le=100, description="Largest request body, in MB.")
+    maxRequestLength: int = Field(
+        40, ge=1, le=100, description="Largest request body, in MB.", json_schema_extra=acts()
+    )
     tokenStream: Literal["socket", "tcp", "ray"] = Field(
         "socket",
         description=(
@@ -97,8 +143,8 @@ class ServerConfig(BaseModel):
             "other nodes over TCP to the ingress's node address) or ray (one Ray Serve message "
             "per chunk)."
         ),
+        json_schema_extra=acts(),
     )
-
     streamInterval: int = Field(
         1,
         ge=1,
@@ -110,6 +156,7 @@ class ServerConfig(BaseModel):
             "per token at the cost of burstier streams (vLLM's --stream-interval). Chat and "
             "completions requests may raise it for themselves with stream_interval."
         ),
+        json_schema_extra=acts(),
     )
 
     @field_validator("apiKeys")
