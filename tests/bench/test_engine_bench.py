@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import roofline as rl
+
 FAKE_VLLM = """
 __version__ = "0.0-fake"
 
@@ -94,7 +96,7 @@ def test_workload_flops_count_the_linears_the_head_and_attention(eb, tmp_path):
     # per token: 2 layers x 2 x (8x(8+4+4) + 8x8 + 3x8x16) = 2304; head 2x8x100 = 1600 per
     # output token; attention 2 x 2 x 2 layers x 8 x 12^2 / 2 = 4608 per request
     per_request = 12 * 2304 + 7 * 1600 + 4608
-    assert eb.workload_gflop(tmp_path, args) == pytest.approx(3 * per_request / 1e9)
+    assert rl.workload_gflop(tmp_path, args) == pytest.approx(3 * per_request / 1e9)
 
 
 def test_vllm_is_compared_with_the_runs_of_ours_around_it(eb):
@@ -115,19 +117,19 @@ def test_a_bfloat16_roofline_is_the_faster_of_the_two_gemms(eb, tmp_path, monkey
     # on a CPU without bfloat16 arithmetic its GEMM is slower than float32's, and a bfloat16
     # model computed as float32 would read above 100 % of the bfloat16 rate
     rates = {"bfloat16": 60.0, "float32": 300.0}
-    monkeypatch.setattr(eb, "gemm_gflops", lambda dtype: (rates[str(dtype).split(".")[1]], 2048))
-    monkeypatch.setattr(eb, "workload_gflop", lambda path, args: 1200.0)
+    monkeypatch.setattr(rl, "gemm_gflops", lambda dtype: (rates[str(dtype).split(".")[1]], 2048))
+    monkeypatch.setattr(rl, "workload_gflop", lambda path, args: 1200.0)
     bench = make_bench(eb, tmp_path)
     bench.dtype, bench.device = "bfloat16", None
     bench.systems["ours"] = {"seconds": 10.0}
-    roof = eb.roofline(bench, tmp_path)
+    roof = rl.roofline(bench, tmp_path)
     assert roof["dtype"] == "float32" and roof["gemm_gflops"] == 300.0
     assert roof["systems"]["ours"]["fraction"] == pytest.approx(0.4)
     rates["bfloat16"] = 900.0  # a CPU with bfloat16 arithmetic: its own rate is the roof
     bench.gemm = None  # measured once per dtype's run: this is another run
-    assert eb.roofline(bench, tmp_path)["dtype"] == "bfloat16"
+    assert rl.roofline(bench, tmp_path)["dtype"] == "bfloat16"
     bench.dtype, bench.gemm = "float32", None
-    assert eb.roofline(bench, tmp_path)["gemm_rates"] == {"float32": 300.0}
+    assert rl.roofline(bench, tmp_path)["gemm_rates"] == {"float32": 300.0}
 
 
 def test_a_gemm_torch_has_no_fast_kernel_for_is_timed_smaller(eb, monkeypatch):
@@ -138,9 +140,9 @@ def test_a_gemm_torch_has_no_fast_kernel_for_is_timed_smaller(eb, monkeypatch):
         sizes.append(n)
         return 0.3 if dtype == eb.torch.bfloat16 else 150.0
 
-    monkeypatch.setattr(eb, "_matmul_rate", rate)
-    assert eb.gemm_gflops(eb.torch.float32) == (150.0, 2048)
-    gflops, n = eb.gemm_gflops(eb.torch.bfloat16)
+    monkeypatch.setattr(rl, "_matmul_rate", rate)
+    assert rl.gemm_gflops(eb.torch.float32) == (150.0, 2048)
+    gflops, n = rl.gemm_gflops(eb.torch.bfloat16)
     assert gflops == 0.3 and n == 512  # 13 products of 1024^3 would take ~93 s, of 512^3 ~12
     assert sizes == [256, 2048, 256, 512]
 
@@ -150,7 +152,7 @@ def test_the_roof_is_the_faster_of_torchs_gemm_and_onednns(eb, monkeypatch):
     # oneDNN's rate on a Zen 5): a slow F.linear must not lower the roof below oneDNN's GEMM.
     # The GEMMs' time is a clock of the test's own, so the verdict is the same on any machine.
     clock = [0.0]
-    linear = eb.F.linear
+    linear = rl.F.linear
 
     def slow(*args):
         clock[0] += 0.005  # 64^3 products at ~0.1 GFLOP/s
@@ -164,31 +166,31 @@ def test_the_roof_is_the_faster_of_torchs_gemm_and_onednns(eb, monkeypatch):
             clock[0] += 0.00005
             return linear(x, self.weight)
 
-    monkeypatch.setattr(eb.F, "linear", slow)
-    monkeypatch.setattr(eb.cpu_gemm, "onednn_packs", lambda dtype: True)
-    monkeypatch.setattr(eb.cpu_gemm, "PackedLinear", Fast)
-    monkeypatch.setattr(eb, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    assert eb._matmul_rate(eb.torch.float32, 64, 200) == pytest.approx(2 * 64**3 / 5e-5 / 1e9)
-    monkeypatch.setattr(eb.cpu_gemm, "onednn_packs", lambda dtype: False)
-    assert eb._matmul_rate(eb.torch.float32, 64, 200) == pytest.approx(2 * 64**3 / 5e-3 / 1e9)
+    monkeypatch.setattr(rl.F, "linear", slow)
+    monkeypatch.setattr(rl.cpu_gemm, "onednn_packs", lambda dtype: True)
+    monkeypatch.setattr(rl.cpu_gemm, "PackedLinear", Fast)
+    monkeypatch.setattr(rl, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert rl._matmul_rate(eb.torch.float32, 64, 200) == pytest.approx(2 * 64**3 / 5e-5 / 1e9)
+    monkeypatch.setattr(rl.cpu_gemm, "onednn_packs", lambda dtype: False)
+    assert rl._matmul_rate(eb.torch.float32, 64, 200) == pytest.approx(2 * 64**3 / 5e-3 / 1e9)
 
 
 def test_transformers_are_skipped_where_torch_would_take_hours(eb, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(eb, "workload_gflop", lambda path, args: 1000.0)
+    monkeypatch.setattr(rl, "workload_gflop", lambda path, args: 1000.0)
     rates = {"bfloat16": (0.3, 256), "float32": (150.0, 2048)}
-    monkeypatch.setattr(eb, "gemm_gflops", lambda dtype: rates[str(dtype).split(".")[1]])
+    monkeypatch.setattr(rl, "gemm_gflops", lambda dtype: rates[str(dtype).split(".")[1]])
     bench = make_bench(eb, tmp_path)
     bench.args.hf_budget = 900.0
-    assert eb.transformers_too_slow(bench, tmp_path) == ""  # float32: ~7 s
+    assert rl.transformers_too_slow(bench, tmp_path) == ""  # float32: ~7 s
     bench.dtype, bench.gemm = "bfloat16", None
-    reason = eb.transformers_too_slow(bench, tmp_path)
+    reason = rl.transformers_too_slow(bench, tmp_path)
     assert "0.3 GFLOP/s" in reason and "~56 min" in reason
     # the report of a run without them: ours' latency alone, the reason, no sanity line
     bench.systems["ours"] = {"tokens_per_s": 300.0, "seconds": 3.0}
     result = {
         "device": "cpu", "systems": bench.systems, "ratios_ours_over": {},
         "agreement_with_ours": {}, "peers_skipped": {"transformers": reason},
-        "roofline": eb.roofline(bench, tmp_path),
+        "roofline": rl.roofline(bench, tmp_path),
         "batch1_decode_latency": eb.batch1_latency(2, [0.02, 0.03], []),
     }  # fmt: skip
     eb.print_report("bfloat16", result)
@@ -207,16 +209,16 @@ def test_an_accelerators_memory_roofline_counts_weights_and_cached_tokens(
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     # weights: 2 layers x (8x(8+4+4) + 8x8 + 3x8x16) + 8x100 = 1152 + 800 elements; KV: 2 x 2
     # layers x 4 per cached token
-    assert eb.decode_bytes(cfg, 2) == (2 * 1952, 2 * 16)
+    assert rl.decode_bytes(cfg, 2) == (2 * 1952, 2 * 16)
     bench = make_bench(eb, tmp_path)  # 2 requests x 3 prompt tokens x 4 output tokens
     bench.systems = {"ours": {"seconds": 1e-6}, "hf_one_at_a_time": {"seconds": 1.0}}
-    assert eb.memory_roofline(bench, tmp_path) is None  # no device: the CPU's compute roofline
+    assert rl.memory_roofline(bench, tmp_path) is None  # no device: the CPU's compute roofline
     bench.device = eb.torch.device("cpu")
-    assert eb.memory_roofline(bench, tmp_path) is None
+    assert rl.memory_roofline(bench, tmp_path) is None
     bench.device = eb.torch.device("cuda")
     bench.batch_steps = [3e-7, 1e-7, 2e-7]
-    monkeypatch.setattr(eb, "copy_bandwidth", lambda device: 1e-2)  # GB/s
-    mem = eb.memory_roofline(bench, tmp_path)
+    monkeypatch.setattr(rl, "copy_bandwidth", lambda device: 1e-2)  # GB/s
+    mem = rl.memory_roofline(bench, tmp_path)
     # float32: 4 steps read the weights (4 x 7808 bytes), the 3 decodes 2 requests x (3 + 4 + 5)
     # cached tokens of 64 bytes
     assert mem["workload_bytes"] == 4 * 7808 + 2 * 12 * 64
@@ -225,7 +227,7 @@ def test_an_accelerators_memory_roofline_counts_weights_and_cached_tokens(
     step = mem["ours_decode_step"]  # the median step, 0.2 us, at context 3 + 2
     assert step["context"] == 5 and step["step_ms"] == pytest.approx(2e-4)
     assert step["fraction"] == pytest.approx((7808 + 2 * 5 * 64) / 2e-7 / 1e9 / 1e-2)
-    eb.print_memory_roofline(mem)
+    rl.print_memory_roofline(mem)
     out = capsys.readouterr().out
     assert "a decode step reads 0.00 GB of weights + 0 kB per cached token" in out
     assert "ours, decode step at batch 2 (context 5): 0.00 ms" in out
@@ -233,9 +235,9 @@ def test_an_accelerators_memory_roofline_counts_weights_and_cached_tokens(
 
 def test_the_copy_bandwidth_counts_bytes_read_and_written(eb, monkeypatch):
     clock = iter([10.0, 12.0])
-    monkeypatch.setattr(eb.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(rl.time, "perf_counter", lambda: next(clock))
     # 5 copies of 1000 bytes in 2 s: 10 kB read and written = 5e-6 GB/s
-    assert eb.copy_bandwidth(eb.torch.device("cpu"), 1000, 5) == pytest.approx(5e-6)
+    assert rl.copy_bandwidth(eb.torch.device("cpu"), 1000, 5) == pytest.approx(5e-6)
 
 
 def test_enforce_eager_reaches_our_engine_and_the_report_names_the_graphs(eb, monkeypatch, capsys):
