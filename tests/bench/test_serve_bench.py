@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import serve_report as sr
 from serve_app.config import load_config
 from tests.stepping import Stepping
 
@@ -252,7 +253,7 @@ def test_peers_are_started_benched_stopped_and_skipped_when_they_cannot_serve_th
     assert skipped["levels"] == [] and skipped["skipped"] == [2]
     assert "takes no ignore_eos" in skipped["error"]
     assert started and all(process.poll() is not None for process in started)  # stopped
-    (line,) = sb.ratio_lines(report["results"], args)
+    (line,) = sr.ratio_lines(report["results"], args)
     assert line.startswith("ours / vllm output tok/s  2: ")
 
 
@@ -335,7 +336,7 @@ def test_serve_starts_our_server_benches_it_and_stops_it_before_the_peer_starts(
     assert served["server"]["log"] == str(tmp_path / "served-ours.log")
     assert ours[0].poll() is not None and at_peer_start and at_peer_start[0] is not None
     assert report["results"]["vllm"]["levels"][0]["completed"] == 2
-    (line,) = sb.ratio_lines(report["results"], args)
+    (line,) = sr.ratio_lines(report["results"], args)
     assert line.startswith("ours / vllm output tok/s  2: ")
 
 
@@ -536,7 +537,7 @@ def test_sweep_against_the_app(sb, base_url, tmp_path, api):
             assert lvl["server_cpu_s"] == pytest.approx(
                 sum(lvl["server_cpu_by_process_s"].values())
             )
-    lines = sb.cpu_lines(body["results"])
+    lines = sr.cpu_lines(body["results"])
     assert len(lines) == 4 and all(line.startswith("CPU per output token, ") for line in lines)
     assert "client" in lines[0] and "server" in lines[0]
     if importlib.util.find_spec("matplotlib") is not None:
