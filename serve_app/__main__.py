@@ -28,7 +28,7 @@ import yaml
 
 from serve_app.config import ConfigError, load_config
 from serve_app.deployment_options import METRICS_INTERVAL, SERVE_FAST_PATH_ENV
-from serve_app.placement import bind_process, parse_cpus, serving_cores
+from serve_app.placement import bind_process, resolve_cpus, serving_cores
 
 
 def main() -> None:
@@ -120,9 +120,9 @@ def _ray_cores(configs) -> set[int] | None:
     its own: the rest, where they do not take turns with a step loop. None (no binding) when
     some engine is not bound: its replica must keep every core."""
     models = [m for c in configs for m in c.BackendConfig.ModelDeployConfig.ModelConfig]
-    if not all(m.engineProcess and m.engineCpus for m in models):
+    if not all(m.engineProcess and resolve_cpus(m.engineCpus) for m in models):
         return None
-    bound = {c for m in models for c in parse_cpus(m.engineCpus)}
+    bound = {c for m in models for c in resolve_cpus(m.engineCpus)}
     return serving_cores(bound)
 
 

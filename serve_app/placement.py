@@ -5,12 +5,57 @@ path's threads taking turns on them; the ingress and the tokenizer pool then bin
 left over (`serving_cores`). (The engine may also borrow what the serving path leaves idle of
 those, `engineSpareCpus`: the CPU backend's `spare_cores`.) Linux only; elsewhere binding is a
 no-op.
+
+`auto` (the value deployments.yaml ships) sizes both to the node: on `n` cores the serving path
+keeps the lowest `max(1, n // 8)` and the engine is bound to the rest, borrowing the serving
+cores' idle time; on one core nothing is bound. So a 2-core machine gets the engine on core 1
+with core 0 lent to it, and a 16-core node the engine on cores 2-15.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+
+AUTO = "auto"
+CGROUP_CPUSETS = (  # cgroup v2, then v1
+    "/sys/fs/cgroup/cpuset.cpus.effective",
+    "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
+)
+
+
+def node_cores() -> set[int]:
+    """The cores this machine or container lets its processes use, whatever this process is
+    bound to now (Ray's workers inherit the binding `python -m serve_app` gives Ray): the
+    cgroup's cpuset, else every core."""
+    for path in CGROUP_CPUSETS:
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            return set(parse_cpus(text))
+    return set(range(os.cpu_count() or 1))
+
+
+def auto_cores(cores: Iterable[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(engine cores, spare cores) for `auto` on `cores` (default: the node's): the serving
+    path keeps the lowest max(1, n // 8) of n cores, lent to the engine as spare cores, and the
+    engine is bound to the rest; ((), ()) on a single core."""
+    ordered = sorted(node_cores() if cores is None else cores)
+    if len(ordered) < 2:
+        return (), ()
+    keep = max(1, len(ordered) // 8)
+    return tuple(ordered[keep:]), tuple(ordered[:keep])
+
+
+def resolve_cpus(text: str, spare: bool = False) -> tuple[int, ...]:
+    """A core list as `parse_cpus` reads it, or `auto` sized to this node (`auto_cores`: the
+    engine's cores, or with `spare` its spare cores)."""
+    if text.strip().lower() == AUTO:
+        return auto_cores()[1 if spare else 0]
+    return parse_cpus(text)
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:

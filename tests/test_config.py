@@ -256,6 +256,25 @@ def test_spare_cores_need_the_engine_process_and_differ_from_its_own():
     assert cfg.engine_config().engine_spare_cpus == (0,)
 
 
+def test_auto_cores_are_sized_where_the_engine_config_is_made(monkeypatch):
+    """engineCpus / engineSpareCpus auto stay `auto` in the config (a replica sizes them to its
+    own node) and come out of engine_config() as the node's split; auto binds the engine
+    process, so it needs one."""
+    from serve_app import placement
+
+    key = f"{DEPLOY}.ModelConfig"
+    auto = {f"{key}.engineProcess": True, f"{key}.engineCpus": "Auto",
+            f"{key}.engineSpareCpus": "auto"}  # fmt: skip
+    cfg = load_config(config(**auto))
+    model = cfg.BackendConfig.ModelDeployConfig.ModelConfig[0]
+    assert (model.engineCpus, model.engineSpareCpus) == ("auto", "auto")
+    monkeypatch.setattr(placement, "node_cores", lambda: set(range(16)))
+    engine = cfg.engine_config()
+    assert engine.engine_cpus == tuple(range(2, 16)) and engine.engine_spare_cpus == (0, 1)
+    message = error_of(config(**{f"{key}.engineCpus": "auto"}))
+    assert f"{key}[0]" in message and "needs engineProcess: true" in message
+
+
 def test_serving_cores_avoid_every_bound_engine():
     import os
 

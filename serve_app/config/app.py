@@ -14,7 +14,7 @@ from serve_app.config.effects import Section, acts
 from serve_app.config.embedding import EmbeddingConfig, name_problems
 from serve_app.config.server import ServerConfig
 from serve_app.engine.config import MINDIE_ALIASES, EngineConfig
-from serve_app.placement import parse_cpus, serving_cores
+from serve_app.placement import resolve_cpus, serving_cores
 
 _ServerConfig, _BackendConfig, _Deployments = ServerConfig, BackendConfig, Deployments
 _EmbeddingConfig = EmbeddingConfig
@@ -83,8 +83,8 @@ class AppConfig(Section):
             dtype=model.dtype,
             device=model.device,
             engine_process=model.engineProcess,
-            engine_cpus=parse_cpus(model.engineCpus),
-            engine_spare_cpus=parse_cpus(model.engineSpareCpus),
+            engine_cpus=resolve_cpus(model.engineCpus),
+            engine_spare_cpus=resolve_cpus(model.engineSpareCpus, spare=True),
             enforce_eager=model.enforceEager,
         )
 
@@ -92,7 +92,7 @@ class AppConfig(Section):
         """The cores the ingress and the tokenizer pool keep to on this node: those no
         model's engine process is bound to (None: no binding, or nothing left)."""
         bound = {c for m in self.BackendConfig.ModelDeployConfig.ModelConfig
-                 for c in parse_cpus(m.engineCpus)}  # fmt: skip
+                 for c in resolve_cpus(m.engineCpus)}  # fmt: skip
         return serving_cores(bound)
 
 

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from serve_app.config.effects import Section, acts, no_effect
 from serve_app.engine import config as engine_config
 from serve_app.engine.config import DEVICES, DTYPES, EngineConfig
-from serve_app.placement import format_cpus, parse_cpus
+from serve_app.placement import AUTO, format_cpus, parse_cpus, resolve_cpus
 
 _ENGINE = EngineConfig()  # the engine's defaults are the config's defaults
 
@@ -125,7 +125,9 @@ class ModelConfig(Section):
         description=(
             "(extension) Cores the engine process is bound to, e.g. '1', '0-3' or '0,2,4-5' "
             "(needs engineProcess: true); its torch threads are these cores, and the ingress "
-            "and tokenizer pool keep to the other cores of the node. Empty = no binding."
+            "and tokenizer pool keep to the other cores of the node. 'auto': sized to the node "
+            "the replica runs on (of n cores the serving path keeps the lowest max(1, n // 8), "
+            "the engine the rest; nothing bound on one core). Empty = no binding."
         ),
         json_schema_extra=acts(),
     )
@@ -135,7 +137,8 @@ class ModelConfig(Section):
             "(extension) Cores whose idle time the engine process borrows for its CPU GEMMs, "
             "decode attention and greedy argmax, e.g. "
             "'0' (needs engineProcess: true; not engineCpus): a helper thread per core at the "
-            "lowest priority (Linux SCHED_IDLE), which the step never waits for. Empty = none."
+            "lowest priority (Linux SCHED_IDLE), which the step never waits for. 'auto': the "
+            "cores engineCpus 'auto' leaves to the serving path. Empty = none."
         ),
         json_schema_extra=acts(),
     )
@@ -152,12 +155,17 @@ class ModelConfig(Section):
     @field_validator("engineCpus", "engineSpareCpus")
     @classmethod
     def _cpus(cls, value: str) -> str:
+        if value.strip().lower() == AUTO:
+            return AUTO
         return format_cpus(parse_cpus(value))  # ValueError names the bad part
 
     @model_validator(mode="after")
     def _cpus_need_process(self) -> ModelConfig:
-        cpus = parse_cpus(self.engineCpus), parse_cpus(self.engineSpareCpus)
+        # `auto` is checked as it comes out on this machine (a replica sizes it to its node)
+        cpus = resolve_cpus(self.engineCpus), resolve_cpus(self.engineSpareCpus, spare=True)
         found = engine_config.cpus_problems(self.engineProcess, *cpus)
+        if not self.engineProcess and AUTO in (self.engineCpus, self.engineSpareCpus):
+            found.append("engineCpus auto needs engineProcess: true (it binds the engine process)")
         if found:
             raise ValueError(found[0])
         return self

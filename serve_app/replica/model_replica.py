@@ -32,7 +32,7 @@ from serve_app.messages import (
     ReplicaChunk,
     ReplicaRequest,
 )
-from serve_app.placement import bind_process
+from serve_app.placement import AUTO, bind_process, node_cores
 from serve_app.replica.output_processor import OutputProcessor
 from serve_app.replica.relay import RayStream, Relay, Sink
 from serve_app.token_socket.outbox import TokenOutbox, ray_node_id
@@ -92,6 +92,9 @@ class ModelReplica:
         self.tokenizer = self.engine.tokenizer
         info = self.engine.info
         where = "its own process" if engine_config.engine_process else "a thread"
+        model = app_config.BackendConfig.ModelDeployConfig.ModelConfig[model_index]
+        if AUTO in (model.engineCpus, model.engineSpareCpus):  # the choice auto made here
+            where += f" (auto-sized to a {len(node_cores())}-core node)"
         print(
             f"model replica {self.replica_id}: {self.model_name!r} ready on {info.device} "
             f"({info.dtype}, {info.num_blocks} KV blocks, {info.num_threads} torch threads, "
