@@ -131,8 +131,9 @@ or with no text, naming `input[i]`, instead of cutting it. An embedding deployme
 one replica with `num_cpus: 1`, which Ray turns into its torch thread count (`deployments.yaml`
 asks for 0 CPUs, one thread, beside the engine's core), and binds itself to the cores no engine
 process is bound to, as the tokenizer pool does. `deployments.yaml` runs the engine in a process
-of its own bound to core 1 with core 0 lent to it (`engineProcess: true`, `engineCpus: "1"`,
-`engineSpareCpus: "0"`; [cpu-serving.md](cpu-serving.md)).
+of its own on cores sized to the node (`engineProcess: true`, `engineCpus: auto`,
+`engineSpareCpus: auto`: core 1 with core 0 lent to it on 2 cores;
+[cpu-serving.md](cpu-serving.md)).
 
 ## Devices, dtypes and the KV pool
 
