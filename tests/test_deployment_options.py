@@ -74,6 +74,30 @@ def test_health_check_timing_is_configurable_and_checked():
         load_config({"Deployments": {"Decode": {"health_check_period_s": 0}}})
 
 
+def test_drain_placement_and_routing_keys_reach_ray_serve_as_given():
+    """Ray Serve's keys for draining a stopping replica, spreading replicas over nodes, placement
+    groups and the request router are accepted per deployment and passed on unchanged; a
+    placement strategy without bundles is refused, naming the key."""
+    options = {
+        "graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": 600,
+        "placement_group_bundles": [{"CPU": 1, "NPU": 1}, {"NPU": 1}],
+        "placement_group_strategy": "STRICT_PACK",
+        "request_router_config": {"request_router_class": "my.routers:PrefixRouter"},
+    }  # fmt: skip
+    spread = {"max_replicas_per_node": 1}
+    config = load_config({"Deployments": {"ModelReplica": options, "Ingress": spread}})
+    assert {k: v for k, v in model_replica_options(config, 0, {"CPU": 2}).items()
+            if k in options} == options  # fmt: skip
+    assert ingress_options(config)["max_replicas_per_node"] == 1
+    with pytest.raises(ConfigError, match=r"Deployments.Prefill.*cannot both be set"):
+        load_config({"Deployments": {"Prefill": {**options, **spread}}})
+    assert "graceful_shutdown_timeout_s" not in tokenizer_pool_options(config)  # Serve's default
+    with pytest.raises(ConfigError, match=r"Deployments.Decode.*placement_group_bundles"):
+        load_config({"Deployments": {"Decode": {"placement_group_strategy": "PACK"}}})
+    with pytest.raises(ConfigError, match=r"Deployments.Ingress.max_replicas_per_node"):
+        load_config({"Deployments": {"Ingress": {"max_replicas_per_node": 0}}})
+
+
 def test_ingress_and_tokenizer_pool_defaults_follow_mindie_limits():
     config = load_config(
         {"ServerConfig": {"maxLinkNum": 300}, "BackendConfig": {"tokenizerProcessNumber": 3}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from serve_app.config.effects import Section, acts
 
@@ -63,6 +63,59 @@ class DeploymentOptions(Section):
         ),
         json_schema_extra=acts(),
     )
+    graceful_shutdown_wait_loop_s: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Seconds between a stopping replica's checks for requests still running (Ray Serve "
+            "drains a replica before stopping it: scale-down, redeploy, shutdown)."
+        ),
+        json_schema_extra=acts(),
+    )
+    graceful_shutdown_timeout_s: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Seconds a stopping replica's running requests get to finish before it is killed "
+            "(Ray Serve's default: 20); give model replicas the longest stream you serve."
+        ),
+        json_schema_extra=acts(),
+    )
+    max_replicas_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many replicas of the deployment on one node.",
+        json_schema_extra=acts(),
+    )
+    placement_group_bundles: tuple[dict[str, float], ...] | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Resources of a placement group per replica, a bundle per entry (e.g. "
+            "[{NPU: 1, CPU: 1}, {NPU: 1}]): the replica runs in the first bundle, which must "
+            "hold its ray_actor_options' resources; what it starts may use the others."
+        ),
+        json_schema_extra=acts(),
+    )
+    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = (
+        Field(
+            None,
+            description=(
+                "How placement_group_bundles are placed (STRICT_PACK: all on one node); needs "
+                "placement_group_bundles."
+            ),
+            json_schema_extra=acts(),
+        )
+    )
+    request_router_config: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Ray Serve's request router of the deployment's handles: request_router_class (an "
+            "import path), request_router_kwargs, request_routing_stats_period_s, "
+            "request_routing_stats_timeout_s."
+        ),
+        json_schema_extra=acts(),
+    )
     ray_actor_options: dict[str, Any] | None = Field(
         None,
         description=(
@@ -101,9 +154,25 @@ class DeploymentOptions(Section):
             )
         return value
 
+    @model_validator(mode="after")
+    def _placement_rules(self) -> DeploymentOptions:
+        if self.placement_group_strategy is not None and self.placement_group_bundles is None:
+            raise ValueError("placement_group_strategy needs placement_group_bundles")
+        if self.max_replicas_per_node is not None and self.placement_group_bundles is not None:
+            raise ValueError(
+                "max_replicas_per_node and placement_group_bundles cannot both be set (Ray "
+                "Serve refuses it): spread the bundles with placement_group_strategy instead"
+            )
+        return self
+
     def serve_options(self) -> dict[str, Any]:
         """The keys that are set, as `serve.deployment(...)` keyword arguments."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
+        # (the config's lists are tuples, to stay frozen; Ray Serve takes lists)
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in self.model_dump().items()
+            if v is not None
+        }
 
 
 class Deployments(Section):
