@@ -256,9 +256,17 @@ class ModelReplica:
         }
 
     def check_health(self) -> None:
-        """Ray Serve's health check: a replica whose engine loop died must be replaced."""
+        """Ray Serve's health check: a replica whose engine loop died, or whose step hangs (no
+        output for tokenTimeout while requests wait: every one of them is past its limit), must
+        be replaced."""
         if self.engine is None or not self.engine.is_running:
             raise RuntimeError(f"replica {self.replica_id}: the engine loop thread is not running")
+        stalled, limit = self.engine.stalled_s(), self.engine.config.token_timeout_s
+        if stalled > limit:
+            raise RuntimeError(
+                f"replica {self.replica_id}: the engine has handed over no output for "
+                f"{stalled:.0f} s with requests waiting (tokenTimeout {limit:g} s): a step hangs"
+            )
 
     async def device_info(self) -> dict:
         return {

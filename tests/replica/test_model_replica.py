@@ -320,6 +320,50 @@ def test_shutdown_fails_health_check():
     other.shutdown()  # idempotent
 
 
+def test_a_hung_step_fails_the_health_check_within_token_timeout(prompt, monkeypatch):
+    """A step that never returns leaves the loop alive: the health check sees no output for
+    tokenTimeout while a request waits and fails, so Ray Serve replaces the replica. Idle, or
+    stepping, it passes."""
+    import copy
+    import threading
+
+    config = copy.deepcopy(CONFIG)
+    config["ServerConfig"] = {"tokenTimeout": 1}
+    other = ModelReplica(load_config(config))
+    release, entered = threading.Event(), threading.Event()
+    step = other.engine.engine.step
+
+    def hung_step():
+        entered.set()
+        release.wait(30)
+        return step()
+
+    try:
+        time.sleep(1.2)
+        other.check_health()  # idle for longer than tokenTimeout: healthy
+        monkeypatch.setattr(other.engine.engine, "step", hung_step)
+        done = []
+        runner = threading.Thread(
+            target=lambda: done.append(collect(other, request(prompt, greedy(4))))
+        )
+        runner.start()
+        assert entered.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and other.engine.stalled_s() <= 1:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="no output for .* a step hangs"):
+            other.check_health()
+        release.set()
+        runner.join(30)
+        # the request, past its own tokenTimeout by then, ends with that error; nothing leaks
+        assert done and done[0][-1].finished and "timeout" in (done[0][-1].error or "").lower()
+        wait_idle(other)
+        other.check_health()
+    finally:
+        release.set()
+        other.shutdown()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "params",

@@ -40,8 +40,10 @@ class AsyncEngine:
         """config.engine_process: the step loop in a child process; otherwise (or when an
         `engine` is given) on a thread of this process, and `self.engine` is that engine."""
         config = engine.config if engine is not None else (config or EngineConfig())
+        self.config = config
         # request id -> (its event loop, what takes its outputs there, its prompt ids)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Callable, list[int]]] = {}
+        self._last_output = time.monotonic()  # when the engine last handed over outputs
         self.engine: LLMEngine | None = None  # the in-process engine (thread mode)
         self._host: EngineProcess | EngineThread
         if engine is None and config.engine_process:
@@ -118,6 +120,8 @@ class AsyncEngine:
         if request.arrival_time is None:
             request.arrival_time = time.monotonic()
         loop = asyncio.get_running_loop()
+        if not self._streams:  # work after a quiet spell: the watchdog counts from here
+            self._last_output = time.monotonic()
         self._streams[request.request_id] = (loop, take_and_note, request.prompt_token_ids)
         self._send(("add", request))
         try:
@@ -134,6 +138,12 @@ class AsyncEngine:
     def is_running(self) -> bool:
         """The step loop is alive (a health check replaces a replica whose is not)."""
         return self._host.is_running
+
+    def stalled_s(self) -> float:
+        """Seconds the engine has handed over no output while requests wait for one: a step
+        that never returns (a device call that hangs) shows here, as the loop itself looks
+        alive. 0 while no request is in flight."""
+        return time.monotonic() - self._last_output if self._streams else 0.0
 
     def shutdown(self) -> None:
         self._host.shutdown()
@@ -152,6 +162,7 @@ class AsyncEngine:
         """Each (request id, output or exception) to what takes its request's outputs: one
         hand-over per event loop for the lot. Outputs from the engine process come without the
         prompt ids."""
+        self._last_output = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item in items:
             target = self._streams.get(request_id)
