@@ -1,0 +1,68 @@
+"""/metrics, its documentation and the Grafana dashboard agree (no Ray: the metrics object the
+ingress serves /metrics from)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_app.ingress.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "cluster" / "grafana-dashboard.json"
+DOC = ROOT / "docs" / "observability.md"
+
+
+def served() -> dict[str, set[str]]:
+    """Every metric family /metrics serves once each has a sample: family name -> the names of
+    its series (counters' _total, histograms' _bucket/_sum/_count)."""
+    metrics = Metrics()
+    for value in vars(metrics).values():
+        if isinstance(value, (Counter, Histogram)):
+            child = value.labels(*["x"] * len(value._labelnames))
+            child.observe(1.0) if isinstance(value, Histogram) else child.inc()
+    metrics.update_stats("x", {"replica_id": "r", "num_running": 1})
+    text = metrics.render().decode()
+    families = text_string_to_metric_families(text)
+    # (prometheus_client adds a <name>_created gauge beside each counter and histogram)
+    return {
+        f.name: {s.name for s in f.samples} for f in families if not f.name.endswith("_created")
+    }
+
+
+def queried() -> set[str]:
+    """The metric names the dashboard's queries select (each as `name{model_name=...}`)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert exprs and all('{model_name=~"$model"}' in e for e in exprs)
+    return {name for e in exprs for name in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", e)}
+
+
+def test_every_metric_the_dashboard_queries_is_served():
+    series = set().union(*served().values())
+    missing = queried() - series
+    assert not missing, f"the dashboard queries metrics /metrics does not serve: {missing}"
+
+
+def test_every_served_metric_is_documented_and_on_the_dashboard():
+    families = served()
+    doc = DOC.read_text()
+    undocumented = {name for name in families if f"`{name}`" not in doc}
+    assert not undocumented, f"docs/observability.md does not list {undocumented}"
+    on_dashboard = {family for family, names in families.items() if names & queried()}
+    # the spare cores' chunk counters are a CPU tuning aid, not a serving panel
+    assert set(families) - on_dashboard == {
+        "cpu_chunks_step_loop", "cpu_chunks_helpers", "cpu_chunks_taken_back",
+        "num_requests_swapped", "prompt_tokens", "kv_transfers",
+    }  # fmt: skip
+
+
+def test_the_dashboard_is_well_formed():
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and all(panel["targets"] for panel in dashboard["panels"])
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "model"}
