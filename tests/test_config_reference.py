@@ -17,6 +17,7 @@ from serve_app.config.effects import ACTS, NO_EFFECT, REFUSED, effect_of
 from serve_app.config.loading import API_KEYS_ENV
 from serve_app.config.reference import SECTIONS, render
 from serve_app.pydantic_errors import dotted
+from tests.test_config import merge
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "configuration.md"
@@ -152,22 +153,10 @@ def test_world_size_above_one_warns_with_the_devices_it_holds(caplog):
 def test_every_key_without_effect_warns_in_one_load(caplog):
     args: dict = {}
     for loc, field, effect in keys_of(NO_EFFECT):
-        args = _merge(args, args_at(loc, value_with_no_effect(effect, field)))
+        args = merge(args, args_at(loc, value_with_no_effect(effect, field)))
     lines = warnings_of(caplog, args)
     assert sorted(line.split(" ")[0] for line in lines) == sorted(NO_EFFECT_KEYS)
     assert len(warnings_of(caplog, args)) == len(NO_EFFECT_KEYS)  # and again on the next load
-
-
-def _merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for key, value in b.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        elif isinstance(value, list) and isinstance(out.get(key), list):
-            out[key] = [_merge(x, y) for x, y in zip(out[key], value, strict=True)]
-        else:
-            out[key] = value
-    return out
 
 
 SHIPPED = ["deployments.yaml", "deployments-pd.yaml", "bench/demo.yaml", "cluster/serve-pd.yaml"]
