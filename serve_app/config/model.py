@@ -42,7 +42,10 @@ class ModelConfig(Section):
         _ENGINE.model,
         min_length=1,
         description=(
-            "Folder of Hugging Face safetensors weights, or a built-in model: "
+            "Folder of Hugging Face safetensors weights; a Hugging Face hub id "
+            "('owner/name', optionally '@revision') that is no local path, fetched into the "
+            "Hugging Face cache (HF_HUB_CACHE or HF_HOME; HF_HUB_OFFLINE=1: the cache only; "
+            "HF_TOKEN for gated repos) by each process that loads it; or a built-in model: "
             "'smollm2-135m-instruct' (SmolLM2-135M-Instruct, converted on first use), 'demo' / "
             "'demo-tiny' / 'demo-1b' (random weights for tests and benchmarks; 'demo-1b' is "
             "1B-class, for accelerators)."

@@ -45,7 +45,7 @@ _COUNTS = (
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "demo"  # modelWeightPath: a folder of HF weights, or a built-in model's name
+    model: str = "demo"  # modelWeightPath: a folder of HF weights, a hub id or a built-in name
     model_name: str = "demo"
     dtype: str = "auto"  # one of DTYPES
     device: str = "auto"  # one of DEVICES

@@ -1,4 +1,5 @@
-"""Resolve modelWeightPath to a local HF folder and load its tokenizer and model, offline."""
+"""Resolve modelWeightPath to a local HF folder (a hub id is fetched first: models/hub.py) and
+load its tokenizer and model from that folder, offline."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from serve_app.models import minilm, smollm2
 from serve_app.models.demo import DEMO_VARIANTS, ensure_demo_model
+from serve_app.models.hub import parse_hub_id, resolve_hub_id
 
 if TYPE_CHECKING:
     import torch
@@ -19,8 +21,10 @@ BUILT_IN = (smollm2.NAME, *DEMO_VARIANTS, minilm.NAME)
 
 
 def resolve_model_path(model_weight_path: str) -> Path:
-    """The folder of a built-in model (built into the cache first if need be); otherwise a
-    folder holding config.json."""
+    """The folder of a built-in model (built into the cache first if need be); else an existing
+    folder holding config.json; else, for a Hugging Face hub id ('owner/name[@revision]') that
+    is no local path, its snapshot in the Hugging Face cache (downloaded first if need be, once
+    per process). FileNotFoundError, naming modelWeightPath, when there is none of these."""
     if model_weight_path in DEMO_VARIANTS:
         return ensure_demo_model(model_weight_path)
     if model_weight_path == smollm2.NAME:
@@ -28,11 +32,15 @@ def resolve_model_path(model_weight_path: str) -> Path:
     if model_weight_path == minilm.NAME:
         return minilm.path()
     path = Path(model_weight_path).expanduser()
+    # a local path wins over a hub id of the same spelling ('models/qwen' in the working folder)
+    if not path.exists() and parse_hub_id(model_weight_path):
+        return resolve_hub_id(model_weight_path)
     if not (path / "config.json").is_file():
         problem = "has no config.json" if path.is_dir() else "does not exist"
         raise FileNotFoundError(
             f"modelWeightPath {model_weight_path!r} {problem}: expected a folder of HF weights "
-            f"(config.json, *.safetensors, tokenizer files) or one of {', '.join(BUILT_IN)}"
+            "(config.json, *.safetensors, tokenizer files), a Hugging Face hub id "
+            f"(owner/name[@revision]) or one of {', '.join(BUILT_IN)}"
         )
     return path.absolute()
 
