@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import hf_systems as hf
 from bench import roofline as rl
 
 FAKE_VLLM = """
@@ -270,8 +271,8 @@ def test_transformers_cb_config_speaks_the_older_page_field_too(eb):
         max_requests_per_batch: int | None = None
 
     args = eb.parse_args(["--requests", "4", "--prompt-len", "100", "--output-len", "28"])
-    older = eb.cb_config(args, OlderConfig)
-    assert older.block_size == args.cb_page_size == 128 and eb.cb_page_size(older) == 128
+    older = hf.cb_config(args, OlderConfig)
+    assert older.block_size == args.cb_page_size == 128 and hf.cb_page_size(older) == 128
     assert older.num_blocks == 4 * 2 and older.max_requests_per_batch == 4
-    current = eb.cb_config(args)
-    assert current.page_size == 128 and eb.cb_page_size(current) == 128
+    current = hf.cb_config(args)
+    assert current.page_size == 128 and hf.cb_page_size(current) == 128
