@@ -121,20 +121,6 @@ class OutputProcessor:
             self._finish_chunk(chunk)
         return self.hold.pass_on(chunk) if self.req.stream else chunk
 
-    def process_all(self, outputs: list[RequestOutput]) -> ReplicaChunk | None:
-        """One chunk for the outputs of consecutive engine steps (what a consumer that fell
-        behind gets at once), or None when there is nothing to send yet."""
-        merged = None
-        for output in outputs:
-            chunk = self.process(output)
-            if chunk is not None and merged is not None:
-                merged.absorb(chunk)
-            elif chunk is not None:
-                merged = chunk
-            if merged is not None and merged.finished:
-                break
-        return merged
-
     def process_first(self, output: RequestOutput, ends: bool) -> tuple[ReplicaChunk, bool]:
         """PD prefill: the chunk for the first token, and whether its text is held back.
 

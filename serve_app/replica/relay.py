@@ -97,7 +97,7 @@ class Relay:
             handoff = self.handoff
             if handoff is not None:
                 handoff.note_import([item])
-            chunk = processor.process_all([item])
+            chunk = processor.process(item)
             if chunk is not None and handoff is not None:
                 handoff.stamp(chunk)  # a PD decode's hand-off facts, on its first chunk
             # the ingress's side closed: noticed at every output, also while chunks are held

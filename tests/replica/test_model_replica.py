@@ -605,7 +605,7 @@ def test_stream_interval_sends_that_many_tokens_a_chunk_with_nothing_lost(
     """stream_interval 5: the first token at once, then chunks of 5 tokens, the rest last;
     the same ids, text, token texts and step timings as a chunk per token."""
     # A consumer that falls behind the engine gets consecutive steps' tokens in one chunk (by
-    # design: process_all), which on a loaded machine merged the first chunk with the next
+    # design: the sink folds them), which on a loaded machine merged the first chunk with the next
     # five. Steps 20 ms apart keep the consumer ahead, so the chunk sizes are the interval's.
     Stepping(replica.engine.engine, monkeypatch, pace_s=0.02)
     req = request(prompt, greedy(), token_texts=True, stream_interval=5)
