@@ -40,6 +40,7 @@ _COUNTS = (
     "maxPrefillBatchSize",
     "maxPrefillTokens",
     "cacheBlockSize",
+    "worldSize",
 )
 
 
@@ -69,6 +70,10 @@ class EngineConfig:
     engine_process: bool = False
     engine_cpus: tuple[int, ...] = ()
     engine_spare_cpus: tuple[int, ...] = ()
+    # tensor parallelism: the model split over this many ranks, one device each (engine/parallel);
+    # where they meet ("host:port" of rank 0; empty: rank 0 starts them as local processes)
+    world_size: int = 1
+    tp_rendezvous: str = ""
     # CUDA: decode steps run eagerly instead of replaying captured graphs (backends/cuda/graphs.py)
     enforce_eager: bool = False
 
@@ -161,4 +166,5 @@ MINDIE_ALIASES = {
     "tokenTimeout": "token_timeout_s",
     "e2eTimeout": "e2e_timeout_s",
     "truncation": "truncation",
+    "worldSize": "world_size",
 }

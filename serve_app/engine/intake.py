@@ -8,7 +8,6 @@ Anything accepted here runs to an output; nothing refused leaves a trace.
 from __future__ import annotations
 
 from collections.abc import Container
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +19,6 @@ from serve_app.engine.kv_cache import KVCacheManager
 from serve_app.engine.params import HIGHEST_PRIORITY, LOWEST_PRIORITY, output_cap
 from serve_app.engine.sequence import Request, Sequence, seeded_generator
 
-if TYPE_CHECKING:
-    from serve_app.engine.kv_transfer import KVCaches
-
 
 class Intake:
     def __init__(
@@ -31,14 +27,14 @@ class Intake:
         vocab_size: int,
         max_model_len: int,
         kv: KVCacheManager,
-        kv_caches: KVCaches,
+        kv_layout: tuple[int, int, int],
         device: torch.device,
     ):
         self.config = config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv = kv
-        self.kv_caches = kv_caches  # an imported KV must have their layout
+        self.kv_layout = kv_layout  # (layers, KV heads, head size): an imported KV's
         self.device = device
 
     def __call__(self, request: EngineRequest, ids_in_use: Container[str]) -> Request:
@@ -133,7 +129,7 @@ class Intake:
             )
         if imported.kv is not None:
             try:
-                kv_transfer.check_layout(self.kv_caches, imported.kv, prompt_len)
+                kv_transfer.check_layout(self.kv_layout, imported.kv, prompt_len)
             except ValueError as exc:
                 raise RequestRejected(str(exc)) from None
 

@@ -71,15 +71,20 @@ def gather(caches: KVCaches, block_table: list[int], num_tokens: int, block_size
     return KVPayload(num_tokens, keys, values, caches[0][0].dtype)
 
 
-def check_layout(caches: KVCaches, payload: KVPayload, num_tokens: int) -> None:
-    """ValueError unless the payload holds num_tokens positions of a model with these caches."""
+def layout(caches: KVCaches) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of these caches."""
+    return len(caches), *caches[0][0].shape[2:]
+
+
+def check_layout(model: tuple[int, int, int], payload: KVPayload, num_tokens: int) -> None:
+    """ValueError unless the payload holds num_tokens positions of a model whose KV is
+    (layers, KV heads, head size) `model`."""
+    layers = model[0]
     if payload.num_tokens != num_tokens:
         raise ValueError(f"the KV covers {payload.num_tokens} tokens, the prompt has {num_tokens}")
-    if len(payload.keys) != len(caches) or len(payload.values) != len(caches):
-        raise ValueError(
-            f"the KV payload has {len(payload.keys)} layers, this model has {len(caches)}"
-        )
-    expected = (num_tokens, *caches[0][0].shape[2:])
+    if len(payload.keys) != layers or len(payload.values) != layers:
+        raise ValueError(f"the KV payload has {len(payload.keys)} layers, this model has {layers}")
+    expected = (num_tokens, *model[1:])
     for tensor in (*payload.keys, *payload.values):
         if tuple(tensor.shape) != expected:
             raise ValueError(
@@ -89,7 +94,7 @@ def check_layout(caches: KVCaches, payload: KVPayload, num_tokens: int) -> None:
 
 def scatter(caches: KVCaches, block_table: list[int], payload: KVPayload, block_size: int):
     """Write a payload into the paged cache at the first payload.num_tokens positions."""
-    check_layout(caches, payload, payload.num_tokens)
+    check_layout(layout(caches), payload, payload.num_tokens)
     device = caches[0][0].device
     slots = token_slots(block_table, payload.num_tokens, block_size, device)
     for (k_cache, v_cache), k, v in zip(caches, payload.keys, payload.values, strict=True):

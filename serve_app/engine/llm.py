@@ -25,6 +25,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the ranks a `world_size` above 1 started (they also end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]] | Sequence[str],

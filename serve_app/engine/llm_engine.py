@@ -40,7 +40,7 @@ class LLMEngine:
         pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(pool)
         self.scheduler = Scheduler(config, self.kv)
-        device, kv_caches = self.runner.device, self.runner.kv_caches
+        device = self.runner.device
         sampler = Sampler(config.seed, device, self.runner.backend.argmax)
         self.updater = Updater(
             self.kv,
@@ -53,7 +53,7 @@ class LLMEngine:
             self._logits_width(),
         )
         self.intake = Intake(
-            config, self.vocab_size, self.max_model_len, self.kv, kv_caches, device
+            config, self.vocab_size, self.max_model_len, self.kv, self.runner.kv_layout, device
         )
         self.requests: dict[str, Request] = {}
         self.num_kv_imports = 0
@@ -113,6 +113,10 @@ class LLMEngine:
             return None
         request.finish_reason = reason
         return self._finish(request)
+
+    def close(self) -> None:
+        """Stop the other ranks of a model split over several (nothing to do on one)."""
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

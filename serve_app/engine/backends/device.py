@@ -16,7 +16,9 @@ def npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
-def pick_device(name: str = "auto") -> torch.device:
+def pick_device(name: str = "auto", rank: int = 0) -> torch.device:
+    """The device `name` names; with several visible (the ranks of one model on one machine,
+    outside Ray, which shows each rank its own), the rank's."""
     if name == "auto":
         if npu_available():
             name = "npu"
@@ -27,9 +29,11 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "npu":
         import torch_npu  # noqa: F401
 
-        return torch.device("npu", torch.npu.current_device())
+        index = rank if torch.npu.device_count() > rank else torch.npu.current_device()
+        return torch.device("npu", index)
     if name == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
+        index = rank if torch.cuda.device_count() > rank else torch.cuda.current_device()
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -6,9 +6,15 @@ that sample. What differs by device is its backend's (`backends.backend_for`): t
 the layers call, what is done to the loaded model, how the cache is allocated and sized. Where
 the backend wants them (CUDA), a step of decodes only replays a graph captured at start instead
 (cuda/graphs.py), with a scratch KV block past the pool's for its padding rows.
+
+With `world_size` above 1 the model is split over that many ranks (engine/parallel): this runner
+is rank 0, the one the engine drives; before each call that touches the device it tells the
+other ranks to run the same (`follow` is their side), and only it computes logits.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,14 +25,38 @@ from serve_app.engine.backends.device import pick_device, pick_dtype
 from serve_app.engine.backends.metadata import build_metadata
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.kv_transfer import KVPayload
+from serve_app.engine.parallel import kv as parallel_kv
+from serve_app.engine.parallel import plan
+from serve_app.engine.parallel.group import RankGroup, Rendezvous
+from serve_app.engine.parallel.worker import LocalRanks
 from serve_app.engine.sequence import Sequence
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
 
 
+@dataclass(slots=True)
+class SeqView:
+    """What a step's metadata reads of a sequence: sent to the other ranks instead of it."""
+
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class Step:
+    """One forward pass, as every rank runs it."""
+
+    ids: list[int]
+    positions: list[int]
+    seqs: list  # Sequence or SeqView, decodes first
+    num_new: list[int]
+    keep: list[int]  # packed positions whose logits are returned
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, with_tokenizer: bool = True):
+    def __init__(self, config: EngineConfig, with_tokenizer: bool = True, rank: int = 0):
         self.config = config
-        self.device = pick_device(config.device)
+        self.rank = rank
+        self.device = pick_device(config.device, rank)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.backend = backend_for(config, self.device, self.dtype)
         self.model_path = resolve_model_path(config.model)
@@ -34,15 +64,42 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(self.model_path) if with_tokenizer else None
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.hf_config = self.model.config
+        self.split = plan.split_for(self.hf_config, rank, config.world_size)
+        self.ranks, self.local_ranks = self._join_ranks()
         self.block_size = config.block_size
         self.model.set_attn_implementation(self.backend.attention(self.kv_shape))
         self.lm_head = self.backend.prepare(self.model, self._plain_lm_head())
+        plan.reduce_outputs(self.model)  # rowwise layers no fused layer took over
         self.num_blocks = self._num_blocks()  # the pool's; a scratch block more with graphs
-        graphs = self.backend.wants_decode_graphs()
+        graphs = self.backend.wants_decode_graphs() and self.ranks is None
         self.kv_caches = self._allocate_kv(self.num_blocks + int(graphs))
         self.decode_graphs = self._capture_decode_graphs() if graphs else None
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def _join_ranks(self) -> tuple[RankGroup | None, LocalRanks | None]:
+        """With world_size > 1: join the other ranks (rank 0 of an engine without a rendezvous
+        starts them as local processes first) and keep this rank's part of the weights."""
+        world = self.config.world_size
+        if world == 1:
+            return None, None
+        found = plan.problems(self.hf_config, world)
+        if found:
+            raise ValueError(found[0])
+        local = None
+        if self.config.tp_rendezvous:
+            rendezvous = Rendezvous.parse(self.config.tp_rendezvous)
+        else:  # offline, or an engine process: the ranks are this machine's processes
+            rendezvous = Rendezvous.here()
+            local = LocalRanks(self.config.replace(tp_rendezvous=rendezvous.address))
+        try:
+            ranks = RankGroup(rendezvous, self.rank, world, self.device)
+        except BaseException:
+            if local is not None:
+                local.close()
+            raise
+        plan.apply(self.model, self.split, ranks.all_reduce)
+        return ranks, local
 
     def _plain_lm_head(self) -> torch.nn.Linear | None:
         """The LM head when logits are just hidden @ W^T (then the runner applies it only at
@@ -57,9 +114,20 @@ class ModelRunner:
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
+        """(block size, this rank's KV heads, head size): one block of one layer's K or V."""
+        return self.block_size, self.split.kv_heads, self.head_dim
+
+    @property
+    def head_dim(self) -> int:
         cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return self.block_size, cfg.num_key_value_heads, head_dim
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head size) of the model's whole KV, as the PD hand-off moves it."""
+        cfg = self.hf_config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return cfg.num_hidden_layers, heads, self.head_dim
 
     @property
     def bytes_per_block(self) -> int:
@@ -101,6 +169,10 @@ class ModelRunner:
         """Copy on write: duplicate shared blocks before a fork writes into them."""
         if not pairs:
             return
+        self._tell("copy", pairs)
+        self._copy(pairs)
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for k_cache, v_cache in self.kv_caches:
@@ -108,11 +180,21 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     def read_kv(self, block_table: list[int], num_tokens: int) -> KVPayload:
-        """A sequence's first num_tokens positions of K/V, gathered to the host (PD export)."""
-        return kv_transfer.gather(self.kv_caches, block_table, num_tokens, self.block_size)
+        """A sequence's first num_tokens positions of K/V, gathered to the host (PD export):
+        every KV head of the model (rank 0 gathers the other ranks' heads)."""
+        self._tell("read", block_table, num_tokens)
+        payload = kv_transfer.gather(self.kv_caches, block_table, num_tokens, self.block_size)
+        if self.ranks is None:
+            return payload
+        return parallel_kv.merge(self.ranks.gather(payload), self._splits())
 
     def write_kv(self, block_table: list[int], payload: KVPayload) -> None:
-        """Scatter a payload into blocks this runner's pool handed out (PD import)."""
+        """Scatter a payload (every KV head of the model) into blocks this runner's pool handed
+        out (PD import); each rank takes its heads."""
+        if self.ranks is not None:
+            self._tell("write", block_table)
+            parts = [parallel_kv.part(payload, split) for split in self._splits()]
+            payload = self.ranks.scatter(parts)
         kv_transfer.scatter(self.kv_caches, block_table, payload, self.block_size)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
@@ -136,19 +218,66 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             last[i] = len(ids) - 1
+        step = Step(ids, positions, seqs, num_new, [last[i] for i in sample])
+        if self.ranks is not None:
+            views = [SeqView(s.num_computed_tokens, s.block_table) for s in seqs]
+            self._tell("step", Step(ids, positions, views, num_new, step.keep))
+        return self._run(step)
+
+    def _run(self, step: Step) -> torch.Tensor:
         backend = self.backend
         md = build_metadata(
-            seqs, num_new, self.kv_caches, self.block_size, self.device, backend.decode_kernel,
-            backend.prompt_rows,
+            step.seqs, step.num_new, self.kv_caches, self.block_size, self.device,
+            backend.decode_kernel, backend.prompt_rows,
         )  # fmt: skip
-        keep = self._tensor([last[i] for i in sample])
-        return self._forward(self._tensor(ids)[None], self._tensor(positions)[None], md, keep)
+        ids, positions = self._tensor(step.ids)[None], self._tensor(step.positions)[None]
+        return self._forward(ids, positions, md, self._tensor(step.keep))
+
+    # -- the ranks ------------------------------------------------------------------------------
+
+    def _splits(self) -> list[plan.Split]:
+        world = self.config.world_size
+        return [plan.split_for(self.hf_config, r, world) for r in range(world)]
+
+    def _tell(self, *message) -> None:
+        if self.ranks is not None:
+            self.ranks.tell(message)
+
+    def follow(self) -> None:
+        """A rank other than 0: run what rank 0 runs, until it says stop (or goes)."""
+        while True:
+            op, *args = self.ranks.hear()
+            if op == "stop":
+                return
+            if op == "step":
+                self._run(args[0])
+            elif op == "copy":
+                self._copy(args[0])
+            elif op == "read":
+                payload = kv_transfer.gather(self.kv_caches, *args, self.block_size)
+                self.ranks.gather(payload)
+            elif op == "write":
+                payload = self.ranks.scatter(None)
+                kv_transfer.scatter(self.kv_caches, args[0], payload, self.block_size)
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks; every rank: leave the group."""
+        if self.ranks is None:
+            return
+        if self.rank == 0:
+            self._tell("stop")
+        self.ranks.close()
+        if self.local_ranks is not None:
+            self.local_ranks.close()
+        self.ranks = None
 
     def _forward(self, input_ids, position_ids, md, keep: torch.Tensor | None = None):
         """Logits at the packed positions `keep` (every position when None)."""
         inputs = dict(
             input_ids=input_ids, position_ids=position_ids, attn_metadata=md, use_cache=False
         )
+        if self.rank != 0:  # only rank 0 computes logits; the others' hidden state is the same
+            return self.model.get_decoder()(**inputs).last_hidden_state
         if self.lm_head is None:  # a head with extras (scaling, capping): the model's own
             kept = 0 if keep is None else keep  # transformers: 0 keeps every position
             return self.model(**inputs, logits_to_keep=kept).logits[0]

@@ -257,6 +257,8 @@ def _child_main(fd: int) -> None:
         run_steps(engine, receive, deliver)
     except (BrokenPipeError, EOFError, OSError):  # the parent went away mid-send
         pass
+    finally:
+        engine.close()  # the other ranks, where the model is split over several
 
 
 def _send(conn, message) -> None:

@@ -124,6 +124,9 @@ class FusedDecoderLayer(nn.Module):
         # the streamed kernel applies SiLU to the gate as the up projection writes its product
         self.silu_in_up = isinstance(self.up_proj, cpu_gemm.StreamedLinear)
         self.rotary = cpu_kernels.op("rotary_")
+        # tensor parallelism: o and down give partial sums, added up across the ranks before
+        # the residual (engine/parallel/plan.py); None on one device
+        self.reduce = getattr(attn.o_proj, "tp_reduce", None)
 
     def forward(
         self,
@@ -150,13 +153,20 @@ class FusedDecoderLayer(nn.Module):
         attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (qk[:, :heads], qk[:, heads:], v))
         out, _ = attention(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
-        hidden = self.o_proj.add(out.reshape(num_tokens, heads * dim), residual)
+        out = out.reshape(num_tokens, heads * dim)
+        hidden = self._project(self.o_proj, out, residual)
         normed = self.post_attention_layernorm(hidden)
         if self.silu_in_up:
             gated = self.up_proj.mul_silu(normed, self.gate_proj(normed))
         else:  # oneDNN applies the activation as the gate's GEMM writes
             gated = self.up_proj.mul(normed, self.gate_proj.silu(normed))
-        return self.down_proj.add(gated, hidden).unsqueeze(0)
+        return self._project(self.down_proj, gated, hidden).unsqueeze(0)
+
+    def _project(self, linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """linear(x) + residual; the GEMM adds it as it writes, unless the ranks sum first."""
+        if self.reduce is None:
+            return linear.add(x, residual)
+        return self.reduce(linear(x)).add_(residual)
 
 
 def fuse_decoder_layers(decoder: nn.Module, hidden_act: str | None) -> int:

@@ -1,0 +1,98 @@
+"""The ranks of one model instance as a torch.distributed group.
+
+Collectives run on the device's own backend (HCCL on Ascend, NCCL on CUDA, gloo on CPU): the
+all-reduce after each rowwise layer. Rank 0 tells the other ranks what to run over a second
+group on gloo (`tell`/`hear`: small pickled messages, host to host, whatever the device), so the
+device's stream only ever carries tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# what the device's collectives run on
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# a rank waits for rank 0's next message this long (an idle engine sends none) before it
+# gives up; a rank that dies ends its peers' collectives at once (their sockets close)
+IDLE_LIMIT = datetime.timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: rank 0's host and a free port there."""
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, address: str) -> Rendezvous:
+        host, _, port = address.rpartition(":")
+        return cls(host, int(port))
+
+    @classmethod
+    def here(cls, host: str = "127.0.0.1") -> Rendezvous:
+        """A port free on `host` now (the group binds it moments later)."""
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return cls(host, s.getsockname()[1])
+
+
+def backend_name(device: torch.device) -> str:
+    return BACKENDS.get(device.type, "gloo")
+
+
+class RankGroup:
+    """This process's place among the ranks: joined at construction, left by close()."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, world: int, device: torch.device):
+        self.rank, self.world = rank, world
+        self.backend = backend_name(device)
+        dist.init_process_group(
+            self.backend, init_method=rendezvous.url, rank=rank, world_size=world,
+            timeout=IDLE_LIMIT,
+        )  # fmt: skip
+        self.control = dist.new_group(backend="gloo") if self.backend != "gloo" else None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place; returns it."""
+        dist.all_reduce(t)
+        return t
+
+    def tell(self, message) -> None:
+        """Rank 0: send every other rank `message`."""
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def hear(self):
+        """Another rank: wait for rank 0's next message."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather(self, item) -> list | None:
+        """Every rank's `item`, in rank order, on rank 0 (None elsewhere)."""
+        items = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(item, items, dst=0, group=self.control)
+        return items
+
+    def scatter(self, items: list | None):
+        """Rank 0 hands out items[r] to rank r; each rank gets its own."""
+        box = [None]
+        dist.scatter_object_list(box, items if self.rank == 0 else None, src=0, group=self.control)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

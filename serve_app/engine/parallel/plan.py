@@ -1,0 +1,155 @@
+"""How a model is split over tensor-parallel ranks.
+
+Which layers are split, and how, is transformers' own tensor-parallel plan for the model
+(`base_model_tp_plan`: q/k/v and the MLP's gate and up "colwise", the attention's o and the
+MLP's down "rowwise", for Llama- and Qwen2-shaped models). transformers applies its plan by
+turning the weights into DTensors; the engine's CPU layers pack plain weight tensors and its
+attention writes a paged cache, so the plan is applied here on plain tensors instead, once,
+after loading:
+
+* colwise: each rank keeps its slice of the output features (its query heads; its share of the
+  MLP's intermediate size) and of the bias;
+* the K and V projections are sliced by KV head; where there are fewer KV heads than ranks, each
+  rank keeps the one KV head its query heads read (replicated, as vLLM does), so the ranks' KV
+  caches together hold each KV head `world / kv_heads` times;
+* rowwise: each rank keeps its slice of the input features; the partial outputs are summed
+  across ranks (an all-reduce) before the residual is added, and a bias only on rank 0;
+* the embeddings, the norms and the LM head stay whole on every rank (the hidden state after
+  each all-reduce is the same everywhere; only rank 0 computes logits and samples).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# transformers' plan styles this applies; any other in a model's plan refuses the model
+STYLES = ("colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class Split:
+    """One rank's part of the model: its heads and the size of its caches."""
+
+    rank: int
+    world: int
+    heads: int  # query heads this rank computes
+    kv_heads: int  # KV heads this rank holds (and caches)
+    kv_head_start: int  # the first of them, among the model's
+    intermediate: int  # MLP features this rank computes
+
+
+def _divisors(n: int, limit: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def model_plan(hf_config) -> dict[str, str]:
+    """transformers' plan for the model's decoder ("layers.*.self_attn.q_proj": "colwise", ...)."""
+    return dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+
+
+def problems(hf_config, world: int) -> list[str]:
+    """Why the model cannot run over `world` ranks (empty: it can), naming worldSize and the
+    model's numbers."""
+    if world == 1:
+        return []
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    model = getattr(hf_config, "model_type", "this model")
+    plan = model_plan(hf_config)
+    found = []
+    if not plan:
+        found.append(
+            f"worldSize {world}: {model} models have no tensor-parallel plan in transformers; "
+            "serve them with worldSize 1"
+        )
+    others = sorted({style for style in plan.values() if style not in STYLES})
+    if others:
+        found.append(
+            f"worldSize {world}: {model}'s tensor-parallel plan uses {', '.join(others)}; the "
+            f"engine applies {' and '.join(STYLES)} only: serve it with worldSize 1"
+        )
+    if heads % world:
+        found.append(
+            f"worldSize {world} does not divide the model's {heads} attention heads; "
+            f"worldSize may be {', '.join(map(str, _divisors(heads)))}"
+        )
+    elif (kv % world) if kv >= world else (world % kv):
+        fits = [d for d in _divisors(heads) if kv % d == 0 or d % kv == 0]
+        found.append(
+            f"worldSize {world} and the model's {kv} KV heads: one must divide the other "
+            f"(worldSize may be {', '.join(map(str, fits))})"
+        )
+    intermediate = getattr(hf_config, "intermediate_size", 0)
+    if intermediate % world:
+        found.append(f"worldSize {world} does not divide the model's MLP size ({intermediate})")
+    return found
+
+
+def split_for(hf_config, rank: int, world: int) -> Split:
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if world == 1:
+        return Split(0, 1, heads, kv, 0, getattr(hf_config, "intermediate_size", 0))
+    kv_heads = max(1, kv // world)
+    # with fewer KV heads than ranks, rank r's query heads read KV head r // (world // kv)
+    kv_start = rank * kv_heads if kv >= world else rank // (world // kv)
+    intermediate = hf_config.intermediate_size // world
+    return Split(rank, world, heads // world, kv_heads, kv_start, intermediate)
+
+
+def _rows(t: torch.Tensor | None, start: int, count: int) -> torch.Tensor | None:
+    return None if t is None else t.detach()[start : start + count].clone()
+
+
+def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+    linear.out_features, linear.in_features = weight.shape
+
+
+def apply(model: nn.Module, split: Split, reduce: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Slice the decoder's weights in place for `split`'s rank; rowwise layers get an attribute
+    `tp_reduce` (the all-reduce that sums their partial outputs: the CPU backend's fused layers
+    call it, `reduce_outputs` hooks it onto transformers' own). How many layers were split."""
+    decoder = model.get_decoder()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    count = 0
+    for pattern, style in model_plan(cfg).items():
+        for name, module in decoder.named_modules():
+            if not fnmatch.fnmatchcase(name, pattern) or not isinstance(module, nn.Linear):
+                continue
+            if style == "rowwise":
+                width = module.in_features // split.world
+                weight = module.weight.detach()[:, split.rank * width : (split.rank + 1) * width]
+                bias = module.bias if split.rank == 0 and module.bias is not None else None
+                _set(module, weight.clone(), None if bias is None else bias.detach())
+                module.tp_reduce = reduce
+            elif name.endswith(("k_proj", "v_proj")):
+                rows = split.kv_heads * head_dim
+                start = split.kv_head_start * head_dim
+                _set(module, _rows(module.weight, start, rows), _rows(module.bias, start, rows))
+            else:
+                rows = module.out_features // split.world
+                start = split.rank * rows
+                _set(module, _rows(module.weight, start, rows), _rows(module.bias, start, rows))
+            count += 1
+    return count
+
+
+def reduce_outputs(model: nn.Module) -> int:
+    """Hook the all-reduce onto every rowwise Linear still in the model (the ones no fused layer
+    took over): its partial output is summed across ranks before anything adds to it."""
+    hooked = 0
+    for module in model.modules():
+        reduce = getattr(module, "tp_reduce", None)
+        if reduce is not None and isinstance(module, nn.Linear):
+            module.register_forward_hook(lambda _m, _args, out, reduce=reduce: reduce(out))
+            hooked += 1
+    return hooked
