@@ -14,6 +14,7 @@ other ranks to run the same (`follow` is their side), and only it computes logit
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from serve_app.engine.config import EngineConfig
 from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.parallel import kv as parallel_kv
 from serve_app.engine.parallel import plan
-from serve_app.engine.parallel.group import RankGroup, Rendezvous
+from serve_app.engine.parallel.group import RankFailure, RankGroup, Rendezvous
 from serve_app.engine.parallel.worker import LocalRanks
 from serve_app.engine.sequence import Sequence
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
@@ -265,7 +266,8 @@ class ModelRunner:
         if self.ranks is None:
             return
         if self.rank == 0:
-            self._tell("stop")
+            with contextlib.suppress(RankFailure):  # a rank already gone
+                self._tell("stop")
         self.ranks.close()
         if self.local_ranks is not None:
             self.local_ranks.close()

@@ -9,6 +9,7 @@ device's stream only ever carries tensors.
 from __future__ import annotations
 
 import datetime
+import functools
 import socket
 from dataclasses import dataclass
 
@@ -50,6 +51,26 @@ class Rendezvous:
             return cls(host, s.getsockname()[1])
 
 
+class RankFailure(RuntimeError):
+    """A collective failed: another rank of the model is gone (or broke the group)."""
+
+
+def _collective(method):
+    """Turn a failed collective into a RankFailure that names the world size."""
+
+    @functools.wraps(method)
+    def call(self, *args):
+        try:
+            return method(self, *args)
+        except RuntimeError as exc:
+            raise RankFailure(
+                f"rank {self.rank} of a model split over worldSize {self.world} ranks: another "
+                f"rank is gone or failed ({str(exc).splitlines()[0][:300]})"
+            ) from exc
+
+    return call
+
+
 def backend_name(device: torch.device) -> str:
     return BACKENDS.get(device.type, "gloo")
 
@@ -60,33 +81,43 @@ class RankGroup:
     def __init__(self, rendezvous: Rendezvous, rank: int, world: int, device: torch.device):
         self.rank, self.world = rank, world
         self.backend = backend_name(device)
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise RuntimeError(
+                "this process already runs a model split over ranks (one per process): close "
+                "it first (LLM.close())"
+            )
         dist.init_process_group(
             self.backend, init_method=rendezvous.url, rank=rank, world_size=world,
             timeout=IDLE_LIMIT,
         )  # fmt: skip
         self.control = dist.new_group(backend="gloo") if self.backend != "gloo" else None
 
+    @_collective
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""
         dist.all_reduce(t)
         return t
 
+    @_collective
     def tell(self, message) -> None:
         """Rank 0: send every other rank `message`."""
         dist.broadcast_object_list([message], src=0, group=self.control)
 
+    @_collective
     def hear(self):
         """Another rank: wait for rank 0's next message."""
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    @_collective
     def gather(self, item) -> list | None:
         """Every rank's `item`, in rank order, on rank 0 (None elsewhere)."""
         items = [None] * self.world if self.rank == 0 else None
         dist.gather_object(item, items, dst=0, group=self.control)
         return items
 
+    @_collective
     def scatter(self, items: list | None):
         """Rank 0 hands out items[r] to rank r; each rank gets its own."""
         box = [None]

@@ -1,0 +1,216 @@
+"""Tensor parallelism on CPU (gloo): a model split over 2 or 3 ranks gives the same tokens and the
+same log-probabilities as on one, through chunked prefill, prefix reuse, preemption, beam search
+and seeded sampling; the PD hand-off moves every KV head between engines of different world
+sizes; a model that does not split is refused naming worldSize; a dead rank fails the next step
+at once; no rank outlives its engine."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from engine_helpers import assert_idle, tokens
+from transformers import LlamaConfig
+
+from serve_app.engine import EngineRequest, SamplingParams
+from serve_app.engine.kv_transfer import ImportedPrefill, KVPayload
+from serve_app.engine.llm import LLM
+from serve_app.engine.parallel import kv as parallel_kv
+from serve_app.engine.parallel import plan
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
+
+# chunked prefill (a 32-token budget), prefix caching, and a pool small enough to preempt
+SMALL = dict(
+    dtype="float32", device="cpu", block_size=8, num_kv_blocks=16, max_prefill_tokens=32,
+    max_input_token_len=32, max_seq_len=128, max_iter_times=24,
+)  # fmt: skip
+
+
+def _config(heads=9, kv=3, inter=1536, **extra):
+    return LlamaConfig(
+        num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+        hidden_size=64 * heads, **extra,
+    )  # fmt: skip
+
+
+# -- the split itself (no processes) ------------------------------------------------------------
+
+
+def test_world_sizes_that_do_not_split_the_model_are_refused_naming_worldsize():
+    smollm2 = _config()  # SmolLM2-135M's heads: 9 query, 3 KV
+    assert plan.problems(smollm2, 1) == [] and plan.problems(smollm2, 3) == []
+    (problem,) = plan.problems(smollm2, 2)
+    assert "worldSize 2" in problem and "9 attention heads" in problem and "1, 3, 9" in problem
+    assert plan.problems(_config(heads=8, kv=2, inter=1408), 4) == []  # KV heads replicated
+    (problem,) = plan.problems(_config(heads=12, kv=8, inter=1536), 3)
+    assert "worldSize 3" in problem and "8 KV heads" in problem
+    (problem,) = plan.problems(_config(heads=8, kv=8, inter=1000), 16)[-1:]
+    assert "MLP size (1000)" in problem
+    no_plan = _config()
+    no_plan.base_model_tp_plan = None
+    assert "no tensor-parallel plan" in plan.problems(no_plan, 3)[0]
+
+
+def test_ranks_beyond_the_kv_heads_share_them():
+    cfg = _config(heads=8, kv=2, inter=1408)
+    splits = [plan.split_for(cfg, r, 4) for r in range(4)]
+    assert [(s.heads, s.kv_heads, s.kv_head_start) for s in splits] == [
+        (2, 1, 0), (2, 1, 0), (2, 1, 1), (2, 1, 1),
+    ]  # fmt: skip
+    assert [plan.split_for(cfg, r, 2).kv_head_start for r in range(2)] == [0, 1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_kv_heads_merge_and_part_round_trip(world):
+    cfg = _config(heads=8, kv=2, inter=1408)
+    splits = [plan.split_for(cfg, r, world) for r in range(world)]
+    keys = [torch.randn(5, 2, 3) for _ in range(2)]
+    values = [torch.randn(5, 2, 3) for _ in range(2)]
+    whole = KVPayload(5, keys, values, torch.float32)
+    parts = [parallel_kv.part(whole, s) for s in splits]
+    assert all(p.keys[0].shape == (5, 1, 3) for p in parts)
+    merged = parallel_kv.merge(parts, splits)
+    for a, b in zip(merged.keys + merged.values, keys + values, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# -- over ranks ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def demo_engines():
+    """One process runs one split model at a time (torch.distributed's one default group): the
+    tests that start their own come after this class's."""
+    engines = {w: LLM("demo", world_size=w, **SMALL) for w in (1, 2)}
+    yield engines
+    for llm in engines.values():
+        llm.close()
+
+
+def _prompts():
+    generator = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 150000, (20,), generator=generator).tolist()
+    tails = [torch.randint(0, 150000, (n,), generator=generator).tolist() for n in (9, 12, 3)]
+    # a shared 20-token prefix (prefix reuse), prompts over the 32-token prefill budget
+    return [shared + t for t in tails] + [tails[0]]
+
+
+def _logprobs(output):
+    return torch.tensor([lp.logprob for lp in output.outputs[0].logprobs])
+
+
+def _run(engine):
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return done
+
+
+class TestDemoOverTwoRanks:
+    def test_the_demo_over_two_ranks_is_the_demo_on_one(self, demo_engines):
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        prompts = _prompts()
+        runs = {w: llm.generate(prompts, params) for w, llm in demo_engines.items()}
+        assert tokens(runs[2]) == tokens(runs[1])
+        for one, two in zip(runs[1], runs[2], strict=True):
+            torch.testing.assert_close(_logprobs(two), _logprobs(one), atol=1e-4, rtol=0)
+        again = demo_engines[2].generate(prompts[:1], params)  # its prefix is cached now
+        assert tokens(again) == tokens(runs[1][:1])
+        stats = demo_engines[2].engine.stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+        for llm in demo_engines.values():
+            assert_idle(llm)
+
+    @pytest.mark.parametrize(
+        "params",
+        [
+            SamplingParams(n=3, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True),
+            SamplingParams(n=2, best_of=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True),
+        ],
+        ids=["beam", "seeded-best-of"],
+    )
+    def test_beam_search_and_seeded_sampling_over_two_ranks(self, demo_engines, params):
+        prompts = _prompts()[1:3]
+        one, two = (demo_engines[w].generate(prompts, params) for w in (1, 2))
+        for a, b in zip(one, two, strict=True):
+            assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
+        assert_idle(demo_engines[2])
+
+    @pytest.mark.parametrize("prefill_world, decode_world", [(2, 1), (1, 2)])
+    def test_the_pd_hand_off_moves_every_kv_head_between_world_sizes(
+        self, demo_engines, prefill_world, decode_world
+    ):
+        prefill = demo_engines[prefill_world].engine
+        decode = demo_engines[decode_world].engine
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+        prompt = _prompts()[0]
+        (expected,) = demo_engines[1].generate([prompt], params)
+        prefill.add_request(EngineRequest("p", prompt, params, export_kv=True))
+        exported = _run(prefill)["p"]
+        payload = exported.kv_payload
+        assert payload.keys[0].shape[1] == 2  # the demo's two KV heads, whatever the world size
+        first = exported.outputs[0].token_ids[0]
+        imported = ImportedPrefill(first, payload, None, max_output_tokens=10)
+        decode.add_request(EngineRequest("d", prompt, params, imported=imported))
+        decoded = _run(decode)["d"]
+        assert decoded.outputs[0].token_ids == expected.outputs[0].token_ids
+        # (the decode side reports the tokens after the first: they read the moved KV)
+        after_first = _logprobs(expected)[1:]
+        torch.testing.assert_close(
+            _logprobs(decoded)[-len(after_first) :], after_first, atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.timeout(300)
+def test_smollm2_over_three_ranks_is_smollm2_on_one():
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    runs = {}
+    for world in (1, 3):
+        with LLM("smollm2-135m-instruct", world_size=world, dtype="float32", device="cpu",
+                 num_kv_blocks=64, block_size=16, max_iter_times=16) as llm:  # fmt: skip
+            runs[world] = llm.generate(prompts, params)
+    assert tokens(runs[3]) == tokens(runs[1])
+    for one, three in zip(runs[1], runs[3], strict=True):
+        torch.testing.assert_close(_logprobs(three), _logprobs(one), atol=1e-4, rtol=0)
+
+
+def test_a_world_size_the_model_cannot_split_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match=r"worldSize 3 does not divide the model's 8 attention"):
+        LLM("demo", world_size=3, **SMALL)
+
+
+def test_a_dead_rank_fails_the_next_step_at_once_and_no_rank_outlives_the_engine():
+    llm = LLM("demo-tiny", world_size=2, **SMALL)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(tokens(llm.generate([[1, 2, 3]], params))[0]) == 4
+    (rank,) = llm.engine.runner.local_ranks.processes
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.wait()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worldSize 2"):
+        llm.generate([[1, 2, 3]], params)
+    assert time.monotonic() - start < 10
+    llm.close()
+
+    llm = LLM("demo-tiny", world_size=2, **SMALL)
+    (rank,) = llm.engine.runner.local_ranks.processes
+    llm.close()
+    assert rank.poll() is not None  # stopped with its engine
+
+
+def test_ranks_beyond_the_kv_heads_give_the_same_tokens():
+    """demo-tiny's 2 KV heads over 4 ranks: each KV head held (and cached) by two ranks."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = _prompts()
+    runs = {}
+    for world in (1, 4):
+        with LLM("demo-tiny", world_size=world, **SMALL) as llm:
+            runs[world] = llm.generate(prompts, params)
+    assert tokens(runs[4]) == tokens(runs[1])
+    for one, four in zip(runs[1], runs[4], strict=True):
+        torch.testing.assert_close(_logprobs(four), _logprobs(one), atol=1e-4, rtol=0)
