@@ -2,9 +2,11 @@
 
 Accelerator pinning: a model replica asks Ray for its devices as resources, and Ray tells the
 worker which ones it got through an environment variable the device runtime honours:
-`resources: {NPU: worldSize}` on Ascend (Ray sets ASCEND_RT_VISIBLE_DEVICES), `num_gpus:
-worldSize` on CUDA (CUDA_VISIBLE_DEVICES), nothing on CPU. `device: auto` picks from what the
-cluster advertises when Ray is up, else from what this machine has. The user's
+`resources: {NPU: 1}` on Ascend (Ray sets ASCEND_RT_VISIBLE_DEVICES), `num_gpus: 1` on CUDA
+(CUDA_VISIBLE_DEVICES), nothing on CPU. With worldSize N above 1 the replica asks for a
+placement group of N such bundles on one node (STRICT_PACK): it is rank 0, and the model's
+other ranks are actors it starts in the other bundles (replica/ranks.py). `device: auto` picks
+from what the cluster advertises when Ray is up, else from what this machine has. The user's
 `Deployments.<name>` options are merged over these defaults (resources dict merged key by key).
 
 Every deployment also runs with Ray Serve's streaming fast path (`SERVE_FAST_PATH_ENV`, in the
@@ -108,9 +110,9 @@ def model_replica_options(
         device = detect_accelerator(cluster_resources)
     actor: dict[str, Any] = {"num_cpus": 1}
     if device == "npu":
-        actor["resources"] = {"NPU": model.worldSize}
+        actor["resources"] = {"NPU": 1}
     elif device == "cuda":
-        actor["num_gpus"] = model.worldSize
+        actor["num_gpus"] = 1
     defaults = {
         "num_replicas": 1,
         # Requests queue inside the engine, where priorities and batching apply, not at the handle.
@@ -125,7 +127,29 @@ def model_replica_options(
         "prefill": config.Deployments.Prefill,
         "decode": config.Deployments.Decode,
     }[role]
-    return _merge(defaults, user)
+    options = _merge(defaults, user)
+    if model.worldSize > 1 and "placement_group_bundles" not in options:
+        # rank 0 is the replica (bundle 0), ranks 1.. are actors in the other bundles
+        if "max_replicas_per_node" in options:
+            raise ValueError(
+                f"worldSize {model.worldSize} places each replica's ranks with Ray Serve's "
+                "placement_group_bundles, which Ray Serve refuses together with "
+                "max_replicas_per_node: drop max_replicas_per_node"
+            )
+        options["placement_group_bundles"] = [_bundle(options["ray_actor_options"])] * (
+            model.worldSize
+        )
+        options.setdefault("placement_group_strategy", "STRICT_PACK")
+    return options
+
+
+def _bundle(actor: dict[str, Any]) -> dict[str, float]:
+    """The Ray resources of one rank: the replica's own, as a placement group bundle."""
+    # (Ray refuses an empty bundle: a replica asking for no core still holds a sliver of one)
+    bundle = {"CPU": actor.get("num_cpus") or 0.01, **actor.get("resources", {})}
+    if "num_gpus" in actor:
+        bundle["GPU"] = actor["num_gpus"]
+    return bundle
 
 
 def tokenizer_pool_options(config: AppConfig) -> dict[str, Any]:

@@ -107,7 +107,6 @@ NO_EFFECT_KEYS = {
     "ServerConfig.ipAddress", "ServerConfig.port", "ServerConfig.managementPort",
     "ServerConfig.metricsPort", "ServerConfig.interCommPort", "ServerConfig.openAiSupport",
     "BackendConfig.npuDeviceIds",
-    "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize",
     "BackendConfig.ModelDeployConfig.ModelConfig[0].cpuMemSize",
     "BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode",
     *(f"BackendConfig.ScheduleConfig.{k}" for k in (
@@ -139,15 +138,19 @@ def test_a_key_without_effect_warns_once_naming_it(caplog, loc, field, effect):
     path = dotted(loc)
     [line] = warnings_of(caplog, args_at(loc, value_with_no_effect(effect, field)))
     assert line.startswith(path + " ")
-    assert "no effect here" in line or "tensor parallelism is not implemented" in line
+    assert "no effect here" in line
     assert effect.note in line or "instead" in line  # why, and what to do instead
 
 
-def test_world_size_above_one_warns_with_the_devices_it_holds(caplog):
+def test_world_size_acts_and_what_cannot_split_the_model_is_refused_at_load(caplog):
     loc = ("BackendConfig", "ModelDeployConfig", "ModelConfig", 0, "worldSize")
-    [line] = warnings_of(caplog, args_at(loc, 4))
-    assert line.startswith(f"{dotted(loc)} (4) reserves 4 devices for each replica")
-    assert "tensor parallelism is not implemented yet" in line
+    assert warnings_of(caplog, merge(args_at(loc, 4), model_at("demo"))) == []
+    with pytest.raises(ConfigError, match=r"worldSize 3 does not divide the model's 8 attention"):
+        load_config(merge(args_at(loc, 3), model_at("demo")))
+
+
+def model_at(path: str) -> dict:
+    return args_at(("BackendConfig", "ModelDeployConfig", "ModelConfig", 0, "modelWeightPath"), path)
 
 
 def test_every_key_without_effect_warns_in_one_load(caplog):
@@ -169,7 +172,6 @@ SHIPPED = ["deployments.yaml", "deployments-pd.yaml", "bench/demo.yaml", "cluste
         {},
         {"ServerConfig": {}, "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{}]}}},
         # values the status is not about act, so they do not warn
-        args_at(("BackendConfig", "ModelDeployConfig", "ModelConfig", 0, "worldSize"), 1),
         args_at(("BackendConfig", "ModelDeployConfig", "ModelConfig", 0, "trustRemoteCode"), False),
         {
             "ServerConfig": {"httpsEnabled": False},
@@ -225,5 +227,5 @@ def test_refusals_are_listed_with_the_other_problems():
     assert "ServerConfig.httpsEnabled: true is refused: " in message
     assert "terminate TLS in front of it" in message
     assert "BackendConfig.multiNodesInferEnabled: true is refused: " in message
-    assert "one replica runs on devices of one node" in message
+    assert "one model instance across nodes is not supported" in message
     assert "ServerConfig.maxLinkNum: must be >= 1" in message

@@ -24,23 +24,54 @@ def test_unknown_keys_are_named_with_a_suggestion():
 @pytest.mark.parametrize(
     "resources, device, expect",
     [
-        ({"NPU": 8, "CPU": 64}, "auto", {"num_cpus": 1, "resources": {"NPU": 2}}),
-        ({"GPU": 4}, "auto", {"num_cpus": 1, "num_gpus": 2}),
+        ({"NPU": 8, "CPU": 64}, "auto", {"num_cpus": 1, "resources": {"NPU": 1}}),
+        ({"GPU": 4}, "auto", {"num_cpus": 1, "num_gpus": 1}),
         ({"CPU": 2}, "auto", {"num_cpus": 1}),
-        ({"CPU": 2}, "npu", {"num_cpus": 1, "resources": {"NPU": 2}}),
+        ({"CPU": 2}, "npu", {"num_cpus": 1, "resources": {"NPU": 1}}),
         ({"NPU": 8}, "cpu", {"num_cpus": 1}),
     ],
 )
 def test_model_replicas_ask_for_their_accelerator(resources, device, expect):
+    """The replica holds one device (rank 0); worldSize 2 adds a bundle of the same for rank 1,
+    both on one node."""
     config = load_config(
         {
             "BackendConfig": {
-                "ModelDeployConfig": {"ModelConfig": [{"worldSize": 2, "device": device}]}
+                "ModelDeployConfig": {
+                    "ModelConfig": [{"worldSize": 2, "device": device, "modelWeightPath": "demo"}]
+                }
             }
         }
     )
-    actor = model_replica_options(config, 0, resources)["ray_actor_options"]
+    options = model_replica_options(config, 0, resources)
+    actor = options["ray_actor_options"]
     assert actor == {**expect, "runtime_env": {"env_vars": SERVE_FAST_PATH_ENV}}
+    bundle = {"CPU": 1, **expect.get("resources", {})}
+    if "num_gpus" in expect:
+        bundle["GPU"] = 1
+    assert options["placement_group_bundles"] == [bundle, bundle]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_a_replica_of_one_device_has_no_placement_group_and_user_bundles_win():
+    one = load_config({})
+    assert "placement_group_bundles" not in model_replica_options(one, 0, {"NPU": 8})
+    model = {"worldSize": 2, "modelWeightPath": "demo"}
+    bundles = [{"CPU": 2, "NPU": 1}, {"CPU": 1, "NPU": 1}]
+    config = load_config({
+        "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [model]}},
+        "Deployments": {"ModelReplica": {"placement_group_bundles": bundles,
+                                         "ray_actor_options": {"num_cpus": 2}}},
+    })  # fmt: skip
+    options = model_replica_options(config, 0, {"NPU": 8})
+    assert options["placement_group_bundles"] == bundles
+    assert "placement_group_strategy" not in options
+    spread = load_config({
+        "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [model]}},
+        "Deployments": {"ModelReplica": {"max_replicas_per_node": 1}},
+    })  # fmt: skip
+    with pytest.raises(ValueError, match="worldSize 2 .* max_replicas_per_node"):
+        model_replica_options(spread, 0, {"NPU": 8})
 
 
 def test_user_options_merge_over_the_derived_ones_per_role():

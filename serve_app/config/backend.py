@@ -227,9 +227,10 @@ class BackendConfig(Section):
         False,
         description="One model instance spans nodes.",
         json_schema_extra=refused(
-            "tensor or multi-node inference across nodes is not supported: one replica runs on "
-            "devices of one node (worldSize of them); serve on more nodes with more replicas "
-            "(Deployments.ModelReplica.num_replicas) and set multiNodesInferEnabled: false",
+            "one model instance across nodes is not supported: a replica's worldSize ranks run "
+            "on devices of one node; split a model over one node's devices with worldSize, "
+            "serve on more nodes with more replicas (Deployments.ModelReplica.num_replicas) and "
+            "set multiNodesInferEnabled: false",
             when=("==", True),
         ),
     )
@@ -279,6 +280,9 @@ def mindie_values(
     values.update({key: getattr(sched, key) for key in _SCHED_KEYS})
     if model is not None:
         values.update(
-            {key: getattr(model, key) for key in ("modelName", "modelWeightPath", "npuMemSize")}
+            {
+                key: getattr(model, key)
+                for key in ("modelName", "modelWeightPath", "npuMemSize", "worldSize")
+            }  # fmt: skip
         )
     return values

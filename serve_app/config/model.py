@@ -56,21 +56,15 @@ class ModelConfig(Section):
         1,
         ge=1,
         description=(
-            "Devices Ray reserves for each model replica (the NPU resource on Ascend, num_gpus on "
-            "CUDA, none on CPU)."
+            "Devices one instance of the model spans (tensor parallelism): the model is split "
+            "over worldSize ranks by heads and MLP features, one device each, and each rank "
+            "holds its part of the weights and of the KV cache. The replica is rank 0; the "
+            "other ranks are Ray actors in its placement group (worldSize bundles on one node). "
+            "Must divide the model's attention heads (and divide or be a multiple of its KV "
+            "heads); checked when the config loads where the model's config.json is on disk, "
+            "else when it loads."
         ),
-        # the reservation acts; the model still runs on one device
-        json_schema_extra=no_effect(
-            "above 1, the engine runs the model on one of the devices reserved and the others "
-            "stay idle: tensor parallelism is not implemented yet; scale out with "
-            "Deployments.ModelReplica.num_replicas instead",
-            when=(">", 1),
-            message=(
-                "{path} ({value}) reserves {value} devices for each replica; the engine runs on "
-                "one of them: tensor parallelism is not implemented yet (scale out with "
-                "Deployments.ModelReplica.num_replicas instead)"
-            ),
-        ),
+        json_schema_extra=acts(),
     )
     cpuMemSize: int = Field(
         5,
@@ -171,6 +165,18 @@ class ModelConfig(Section):
             found.append("engineCpus auto needs engineProcess: true (it binds the engine process)")
         if found:
             raise ValueError(found[0])
+        return self
+
+    @model_validator(mode="after")
+    def _splits(self) -> ModelConfig:
+        if self.worldSize > 1:
+            from serve_app.engine.backends.parallel.plan import problems
+            from serve_app.models.loader import config_on_disk
+
+            hf_config = config_on_disk(self.modelWeightPath)
+            found = problems(hf_config, self.worldSize) if hf_config is not None else []
+            if found:
+                raise ValueError(found[0])
         return self
 
     @field_validator("modelName")

@@ -144,10 +144,11 @@ memory (2 GiB on CPU). On CUDA the decode graphs are captured once the KV pool i
 (a few seconds at start; the engine logs how long), and the model replica's ready line ends
 with `decode steps as CUDA graphs (N batch sizes)`.
 
-A model replica's Ray resources follow from the device: `resources: {NPU: worldSize}` on
-Ascend, `num_gpus: worldSize` on CUDA, nothing on CPU; `Deployments.<name>.ray_actor_options`
-is merged over them ([models.md](models.md#devices)). `worldSize` reserves that many devices for
-each replica, but the engine runs the model on one of them: there is no tensor parallelism yet
+A model replica's Ray resources follow from the device: `resources: {NPU: 1}` on Ascend,
+`num_gpus: 1` on CUDA, nothing on CPU; `Deployments.<name>.ray_actor_options` is merged over them
+([models.md](models.md#devices)). With `worldSize` N above 1 each replica asks for N such bundles
+on one node (`placement_group_bundles`, `STRICT_PACK`): the replica is the model's rank 0 and
+starts ranks 1..N-1 as actors in the other bundles
 ([parallelism-and-pd.md](parallelism-and-pd.md#worldsize)).
 """
 

@@ -70,7 +70,7 @@ class EngineConfig:
     engine_process: bool = False
     engine_cpus: tuple[int, ...] = ()
     engine_spare_cpus: tuple[int, ...] = ()
-    # tensor parallelism: the model split over this many ranks, one device each (engine/parallel);
+    # tensor parallelism: the model split over this many ranks, one device each (backends/parallel);
     # where they meet ("host:port" of rank 0; empty: rank 0 starts them as local processes)
     world_size: int = 1
     tp_rendezvous: str = ""

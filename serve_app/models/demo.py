@@ -192,7 +192,8 @@ def _weights(cfg: dict, ranks: dict[bytes, int], seed: int) -> dict[str, torch.T
     return {name: t.contiguous() for name, t in w.items()}
 
 
-def _model_config(variant: str) -> dict:
+def model_config(variant: str) -> dict:
+    """The variant's config.json."""
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -228,12 +229,12 @@ def build_demo_model(out_dir: str | Path, variant: str = "demo") -> Path:
         ranks = _bpe_ranks()
         _log("converting tokenizer ...")
         _write_tokenizer(tmp, ranks)
-        _write_json(tmp / "config.json", _model_config(variant))
+        _write_json(tmp / "config.json", model_config(variant))
         eos, pad = [_SPECIALS["<|im_end|>"], _SPECIALS["<|endoftext|>"]], _SPECIALS["<|endoftext|>"]
         generation = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}
         _write_json(tmp / "generation_config.json", generation)
         _log("writing weights ...")
-        weights = _weights(_model_config(variant), ranks, _SEEDS[variant])
+        weights = _weights(model_config(variant), ranks, _SEEDS[variant])
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
     out = build_atomically(out_dir, write)

@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serve_app.models import minilm, smollm2
-from serve_app.models.demo import DEMO_VARIANTS, ensure_demo_model
+from serve_app.models.cache import cache_root
+from serve_app.models.demo import DEMO_VARIANTS, ensure_demo_model, model_config
 from serve_app.models.hub import parse_hub_id, resolve_hub_id
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 
 # modelWeightPath names of the built-in models: the generative ones are built into the model
@@ -43,6 +44,26 @@ def resolve_model_path(model_weight_path: str) -> Path:
             f"(owner/name[@revision]) or one of {', '.join(BUILT_IN)}"
         )
     return path.absolute()
+
+
+def config_on_disk(model_weight_path: str) -> PretrainedConfig | None:
+    """The model's HF config where reading it fetches and builds nothing: a demo variant's, the
+    converted SmolLM2's, a local folder's; None otherwise (a hub id, a model not built yet):
+    the checks that need it then run as the model loads."""
+    from transformers import AutoConfig
+
+    if model_weight_path in DEMO_VARIANTS:
+        values = model_config(model_weight_path)
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    if model_weight_path == minilm.NAME:
+        return None
+    if model_weight_path == smollm2.NAME:
+        folder = cache_root() / f"{smollm2.NAME}-v{smollm2.FORMAT_VERSION}"
+    else:
+        folder = Path(model_weight_path).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

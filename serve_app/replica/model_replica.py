@@ -34,6 +34,7 @@ from serve_app.messages import (
 )
 from serve_app.placement import AUTO, bind_process, node_cores
 from serve_app.replica.output_processor import OutputProcessor
+from serve_app.replica.ranks import start_engine
 from serve_app.replica.relay import RayStream, Relay, Sink
 from serve_app.token_socket.outbox import TokenOutbox, ray_node_id
 from serve_app.tokenizer.limits import TokenLimits
@@ -88,7 +89,7 @@ class ModelReplica:
             flush=True,
         )
         start = time.monotonic()
-        self.engine = AsyncEngine(engine_config)
+        self.engine, self.ranks = start_engine(engine_config)  # worldSize > 1: ranks as actors
         self.tokenizer = self.engine.tokenizer
         info = self.engine.info
         where = "its own process" if engine_config.engine_process else "a thread"
@@ -261,6 +262,8 @@ class ModelReplica:
         be replaced."""
         if self.engine is None or not self.engine.is_running:
             raise RuntimeError(f"replica {self.replica_id}: the engine loop thread is not running")
+        if self.ranks is not None and (failure := self.ranks.failure()):
+            raise RuntimeError(f"replica {self.replica_id}: {failure}")
         stalled, limit = self.engine.stalled_s(), self.engine.config.token_timeout_s
         if stalled > limit:
             raise RuntimeError(
@@ -283,6 +286,9 @@ class ModelReplica:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+        ranks, self.ranks = getattr(self, "ranks", None), None
+        if ranks is not None:
+            ranks.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter teardown: nothing left to report to

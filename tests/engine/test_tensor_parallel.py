@@ -14,10 +14,10 @@ from engine_helpers import assert_idle, tokens
 from transformers import LlamaConfig
 
 from serve_app.engine import EngineRequest, SamplingParams
+from serve_app.engine.backends.parallel import kv as parallel_kv
+from serve_app.engine.backends.parallel import plan
 from serve_app.engine.kv_transfer import ImportedPrefill, KVPayload
 from serve_app.engine.llm import LLM
-from serve_app.engine.parallel import kv as parallel_kv
-from serve_app.engine.parallel import plan
 
 pytestmark = pytest.mark.usefixtures("one_tokenizer_per_model")
 

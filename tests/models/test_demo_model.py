@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-from serve_app.models.demo import _model_config, build_demo_model, ensure_demo_model
+from serve_app.models.demo import build_demo_model, ensure_demo_model, model_config
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
 
 FILES = (
@@ -149,7 +149,7 @@ def test_tiny_config(tiny):
 def test_1b_config_has_a_1b_class_models_shapes():
     # built for accelerator benchmarks, not here (5 GB of float32 weights, ~1 min on 2 cores);
     # its greedy steps were checked like the others' once (margins 7.6 / 8.4 min / median)
-    config = Qwen2Config(**_model_config("demo-1b"))
+    config = Qwen2Config(**model_config("demo-1b"))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == 1_284_360_192  # tied head

@@ -7,7 +7,7 @@ the layers call, what is done to the loaded model, how the cache is allocated an
 the backend wants them (CUDA), a step of decodes only replays a graph captured at start instead
 (cuda/graphs.py), with a scratch KV block past the pool's for its padding rows.
 
-With `world_size` above 1 the model is split over that many ranks (engine/parallel): this runner
+With `world_size` above 1 the model is split over that many ranks (parallel/): this runner
 is rank 0, the one the engine drives; before each call that touches the device it tells the
 other ranks to run the same (`follow` is their side), and only it computes logits.
 """
@@ -24,12 +24,13 @@ from serve_app.engine.backends import backend_for
 from serve_app.engine.backends.cuda import graphs as cuda_graphs
 from serve_app.engine.backends.device import pick_device, pick_dtype
 from serve_app.engine.backends.metadata import build_metadata
+from serve_app.engine.backends.parallel import kv as parallel_kv
+from serve_app.engine.backends.parallel import plan
+from serve_app.engine.backends.parallel.group import RankGroup, Rendezvous
+from serve_app.engine.backends.parallel.local import LocalRanks
 from serve_app.engine.config import EngineConfig
+from serve_app.engine.errors import RankFailure
 from serve_app.engine.kv_transfer import KVPayload
-from serve_app.engine.parallel import kv as parallel_kv
-from serve_app.engine.parallel import plan
-from serve_app.engine.parallel.group import RankFailure, RankGroup, Rendezvous
-from serve_app.engine.parallel.worker import LocalRanks
 from serve_app.engine.sequence import Sequence
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
 

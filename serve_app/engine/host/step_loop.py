@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from serve_app.engine.errors import EngineError, RequestRejected
+from serve_app.engine.errors import EngineError, RankFailure, RequestRejected
 from serve_app.engine.inputs import EngineRequest
 
 if TYPE_CHECKING:  # a process that hosts the engine in a child imports no model code
@@ -48,10 +48,12 @@ def run_steps(
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
-            except Exception:  # the engine is dead: its requests fail, the loop ends
+            except Exception as exc:  # the engine is dead: its requests fail, the loop ends
                 failed = list(engine.requests)
                 logger.exception("an engine step failed; failing requests %s", failed)
                 message = "an engine step failed; the replica's log has the details"
+                if isinstance(exc, RankFailure):
+                    message = exc.client_message()
                 for request_id in failed:
                     with contextlib.suppress(Exception):  # give their blocks back if it can
                         engine.abort(request_id)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from serve_app.engine.backends.parallel.plan import Split
 from serve_app.engine.kv_transfer import KVPayload
-from serve_app.engine.parallel.plan import Split
 
 
 def merge(parts: list[KVPayload], splits: list[Split]) -> KVPayload:

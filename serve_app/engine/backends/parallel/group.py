@@ -16,10 +16,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from serve_app.engine.errors import RankFailure
+
 # what the device's collectives run on
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-# a rank waits for rank 0's next message this long (an idle engine sends none) before it
-# gives up; a rank that dies ends its peers' collectives at once (their sockets close)
+# how long the ranks wait for each other to join (each loads the model first) and a collective
+# for its peers (a hung rank: the replica's health check acts sooner)
+JOIN_LIMIT = datetime.timedelta(minutes=30)
+# how long a rank waits for rank 0's next order (an idle engine sends none); a rank that dies
+# ends its peers' waits at once (their sockets close)
 IDLE_LIMIT = datetime.timedelta(days=7)
 
 
@@ -51,10 +56,6 @@ class Rendezvous:
             return cls(host, s.getsockname()[1])
 
 
-class RankFailure(RuntimeError):
-    """A collective failed: another rank of the model is gone (or broke the group)."""
-
-
 def _collective(method):
     """Turn a failed collective into a RankFailure that names the world size."""
 
@@ -63,10 +64,8 @@ def _collective(method):
         try:
             return method(self, *args)
         except RuntimeError as exc:
-            raise RankFailure(
-                f"rank {self.rank} of a model split over worldSize {self.world} ranks: another "
-                f"rank is gone or failed ({str(exc).splitlines()[0][:300]})"
-            ) from exc
+            cause = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            raise RankFailure(self.rank, self.world, cause) from exc
 
     return call
 
@@ -88,9 +87,9 @@ class RankGroup:
             )
         dist.init_process_group(
             self.backend, init_method=rendezvous.url, rank=rank, world_size=world,
-            timeout=IDLE_LIMIT,
+            timeout=JOIN_LIMIT,
         )  # fmt: skip
-        self.control = dist.new_group(backend="gloo") if self.backend != "gloo" else None
+        self.control = dist.new_group(backend="gloo", timeout=IDLE_LIMIT)
 
     @_collective
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

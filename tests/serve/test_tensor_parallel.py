@@ -1,0 +1,102 @@
+"""worldSize over Ray: a model split over two ranks (the replica and one rank actor in the
+replica's placement group) answers every API family as the same model on one rank does, greedy
+tokens and log-probabilities alike; a rank killed mid-stream ends the stream with an error, and
+Ray Serve replaces the replica with all its ranks. Slow."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+from serve_helpers import (
+    BACK_WITHIN_S,
+    ERROR_WITHIN_S,
+    SERVE_LONG_ARGS,
+    actors,
+    deploy,
+    serves_again,
+    stream_until_fault,
+)
+
+ARGS = copy.deepcopy(SERVE_LONG_ARGS)
+ARGS.pop("EmbeddingConfig")
+ARGS["BackendConfig"]["tokenizerProcessNumber"] = 1
+ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
+    # "demo" over two ranks (its engine in a process of its own, as deployments.yaml has it),
+    # "one" the same weights on one; float32, so that log-probabilities compare closely
+    {"modelName": name, "modelWeightPath": "demo-tiny", "engineProcess": True, "device": "cpu",
+     "dtype": "float32", "worldSize": world}
+    for name, world in (("demo", 2), ("one", 1))
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    from ray import serve
+
+    yield deploy(cluster, ARGS)
+    serve.delete("serve_app")
+
+
+def _rank_actors() -> list[tuple[str, int]]:
+    """(actor id, pid) of each live rank actor (from the GCS: the test cluster has no
+    dashboard for Ray's state API)."""
+    from ray._private import state
+
+    return [
+        (actor_id, info["Pid"]) for actor_id, info in state.actors().items()
+        if info["ActorClassName"] == "Rank" and info["State"] == "ALIVE"
+    ]  # fmt: skip
+
+
+def _answers(http, model: str) -> dict:
+    greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    chat = http.post("/v1/chat/completions", json={  # greedy: top_k 1 (temperature > 0 here)
+        "model": model, "messages": [{"role": "user", "content": "hello there"}],
+        "logprobs": True, "top_logprobs": 1, "top_k": 1, "max_tokens": 8,
+    })  # fmt: skip
+    completion = http.post("/v1/completions", json={"model": model, "prompt": "a b c", **greedy})
+    triton = http.post(f"/v2/models/{model}/generate", json={
+        "text_input": "once upon", "parameters": {"max_new_tokens": 8, "do_sample": False},
+    })  # fmt: skip
+    mindie = http.post("/infer", json={
+        "inputs": "tell me", "model": model, "stream": False,
+        "parameters": {"max_new_tokens": 8, "do_sample": False},
+    })  # fmt: skip
+    for reply in (chat, completion, triton, mindie):
+        assert reply.status_code == 200, reply.text
+    choice = chat.json()["choices"][0]
+    return {
+        "chat": choice["message"]["content"],
+        "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
+        "completion": completion.json()["choices"][0]["text"],
+        "triton": triton.json()["text_output"],
+        "mindie": mindie.json()["generated_text"],
+    }
+
+
+def test_a_model_over_two_ranks_answers_as_on_one(http):
+    ranks = _rank_actors()
+    assert len(ranks) == 1  # the replica is rank 0; rank 1 is an actor
+    two, one = _answers(http, "demo"), _answers(http, "one")
+    assert {k: v for k, v in two.items() if k != "logprobs"} == {
+        k: v for k, v in one.items() if k != "logprobs"
+    }
+    assert two["logprobs"] == pytest.approx(one["logprobs"], abs=1e-4)
+
+
+def test_a_rank_killed_mid_stream_ends_the_stream_and_the_replica_is_replaced(server):
+    (rank,) = _rank_actors()
+    (replica,) = actors("ModelReplica-demo")
+    events, ended_s = stream_until_fault(server, lambda: os.kill(rank[1], signal.SIGKILL))
+    assert ended_s < ERROR_WITHIN_S
+    assert "worldSize 2" in events[-1]["error"]["message"], events[-1]
+    serves_again(server)
+    deadline = time.monotonic() + BACK_WITHIN_S
+    while [r[0] for r in _rank_actors()] in ([], [rank[0]]):
+        assert time.monotonic() < deadline, "no new rank came with the replaced replica"
+        time.sleep(1)
+    assert [a["name"] for a in actors("ModelReplica-demo")] != [replica["name"]]
