@@ -128,17 +128,16 @@ def model_replica_options(
         "decode": config.Deployments.Decode,
     }[role]
     options = _merge(defaults, user)
-    if model.worldSize > 1 and "placement_group_bundles" not in options:
+    world = model.world_size(role)
+    if world > 1 and "placement_group_bundles" not in options:
         # rank 0 is the replica (bundle 0), ranks 1.. are actors in the other bundles
         if "max_replicas_per_node" in options:
             raise ValueError(
-                f"worldSize {model.worldSize} places each replica's ranks with Ray Serve's "
+                f"worldSize {world} places each replica's ranks with Ray Serve's "
                 "placement_group_bundles, which Ray Serve refuses together with "
                 "max_replicas_per_node: drop max_replicas_per_node"
             )
-        options["placement_group_bundles"] = [_bundle(options["ray_actor_options"])] * (
-            model.worldSize
-        )
+        options["placement_group_bundles"] = [_bundle(options["ray_actor_options"])] * world
         options.setdefault("placement_group_strategy", "STRICT_PACK")
     return options
 

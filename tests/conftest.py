@@ -47,6 +47,7 @@ SLOW_TESTS = (
     "tests/engine/test_spare_cores.py", "tests/engine/test_cpu_layers.py",
     "tests/engine/test_cpu_gemm.py", "tests/engine/test_kv_transfer.py",
     "tests/engine/test_cuda_graphs.py", "tests/structured/test_structured_engine.py",
+    "tests/engine/test_tensor_parallel.py",
     "tests/structured/test_structured_smollm2.py", "tests/models/", "tests/bench/",
     "tests/ingress/test_fuzz.py", "tests/engine/test_instruction_sets.py",
 )  # fmt: skip

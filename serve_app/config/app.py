@@ -65,9 +65,9 @@ class AppConfig(Section):
         """inferMode dmi: prefill and decode on separate replicas."""
         return self.ServerConfig.inferMode == "dmi"
 
-    def engine_config(self, model_index: int = 0) -> EngineConfig:
-        """The frozen engine settings for ModelConfig[model_index] (already checked: the
-        engine's rules ran when this config loaded)."""
+    def engine_config(self, model_index: int = 0, role: str = "colocated") -> EngineConfig:
+        """The frozen engine settings for ModelConfig[model_index]'s replicas of `role`
+        (already checked: the engine's rules ran when this config loaded)."""
         deploy, sched = self.BackendConfig.ModelDeployConfig, self.BackendConfig.ScheduleConfig
         if not 0 <= model_index < len(deploy.ModelConfig):
             raise IndexError(f"ModelDeployConfig.ModelConfig has no item {model_index}")
@@ -86,7 +86,7 @@ class AppConfig(Section):
             engine_cpus=resolve_cpus(model.engineCpus),
             engine_spare_cpus=resolve_cpus(model.engineSpareCpus, spare=True),
             enforce_eager=model.enforceEager,
-        )
+        ).replace(world_size=model.world_size(role))
 
     def serving_cores(self) -> set[int] | None:
         """The cores the ingress and the tokenizer pool keep to on this node: those no

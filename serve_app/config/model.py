@@ -66,6 +66,23 @@ class ModelConfig(Section):
         ),
         json_schema_extra=acts(),
     )
+    prefillWorldSize: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "(extension) worldSize of this model's prefill replicas in PD mode (inferMode dmi); "
+            "unset: worldSize. The KV hand-off moves every KV head, so the prefill and decode "
+            "sides may be split differently."
+        ),
+        json_schema_extra=acts(),
+    )
+    decodeWorldSize: int | None = Field(
+        None,
+        ge=1,
+        description="(extension) worldSize of this model's decode replicas in PD mode; unset: "
+        "worldSize.",
+        json_schema_extra=acts(),
+    )
     cpuMemSize: int = Field(
         5,
         ge=0,
@@ -167,16 +184,23 @@ class ModelConfig(Section):
             raise ValueError(found[0])
         return self
 
+    def world_size(self, role: str = "colocated") -> int:
+        """The worldSize of this model's replicas of `role` (colocated, prefill, decode)."""
+        own = {"prefill": self.prefillWorldSize, "decode": self.decodeWorldSize}.get(role)
+        return own or self.worldSize
+
     @model_validator(mode="after")
     def _splits(self) -> ModelConfig:
-        if self.worldSize > 1:
+        sizes = {self.world_size(role) for role in ("colocated", "prefill", "decode")} - {1}
+        if sizes:
             from serve_app.engine.backends.parallel.plan import problems
             from serve_app.models.loader import config_on_disk
 
             hf_config = config_on_disk(self.modelWeightPath)
-            found = problems(hf_config, self.worldSize) if hf_config is not None else []
-            if found:
-                raise ValueError(found[0])
+            for size in sorted(sizes) if hf_config is not None else ():
+                found = problems(hf_config, size)
+                if found:
+                    raise ValueError(found[0])
         return self
 
     @field_validator("modelName")

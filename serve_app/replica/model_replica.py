@@ -75,7 +75,7 @@ class ModelReplica:
         self.connector: KVConnector = connector_for(connector)
         self.kv_loss_policy = kv_loss_policy
         self.num_kv_lost = 0  # decode: hand-offs whose KV could not be fetched
-        engine_config = app_config.engine_config(model_index)
+        engine_config = app_config.engine_config(model_index, role)
         if off_engine_cores and engine_config.engine_cpus:
             bind_process(app_config.serving_cores())
         self.limits = TokenLimits.of(app_config)

@@ -214,3 +214,36 @@ def test_ranks_beyond_the_kv_heads_give_the_same_tokens():
     assert tokens(runs[4]) == tokens(runs[1])
     for one, four in zip(runs[1], runs[4], strict=True):
         torch.testing.assert_close(_logprobs(four), _logprobs(one), atol=1e-4, rtol=0)
+
+
+def test_an_engine_process_drives_its_own_ranks_and_takes_them_when_it_stops():
+    import asyncio
+
+    import psutil
+
+    from serve_app.engine import EngineConfig
+    from serve_app.engine.host.async_engine import AsyncEngine
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = _prompts()[0]
+    with LLM("demo-tiny", **SMALL) as llm:
+        (expected,) = tokens(llm.generate([prompt], params))
+    settings = {**SMALL, "model": "demo-tiny", "engine_process": True, "world_size": 2}
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    engine = AsyncEngine(EngineConfig(**settings))
+    children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+
+    async def generate():
+        async for output in engine.generate(EngineRequest("ep", prompt, params)):
+            last = output
+        return last.outputs[0].token_ids
+
+    try:
+        assert asyncio.run(generate()) == expected
+        # the engine process, and its rank 1 under it
+        (process,) = [c for c in children if c.ppid() == os.getpid()]
+        assert [c.ppid() for c in children if c != process] == [process.pid]
+    finally:
+        engine.shutdown()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive

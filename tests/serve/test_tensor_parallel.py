@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 from serve_helpers import (
     BACK_WITHIN_S,
@@ -100,3 +101,29 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_the_replica_is_replaced(se
         assert time.monotonic() < deadline, "no new rank came with the replaced replica"
         time.sleep(1)
     assert [a["name"] for a in actors("ModelReplica-demo")] != [replica["name"]]
+
+
+def test_pd_with_a_prefill_over_two_ranks_and_a_decode_over_one(cluster, http):
+    """The hand-off moves every KV head: a prefill split over 2 ranks feeds a decode on 1, and
+    the answers are the model's on one device (the app before this one's "one"). PD refuses
+    logprobs: the engine tests compare them across world sizes through the hand-off."""
+    greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    prompts = ["tell me a story about", "a b c d e f"]
+    body = {"model": "one", **greedy}
+    expected = [http.post("/v1/completions", json={**body, "prompt": p}).json() for p in prompts]
+    args = copy.deepcopy(ARGS)
+    args["ServerConfig"] = {"inferMode": "dmi"}
+    (model,) = args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][1:]  # the "one" entry
+    model.update(modelName="demo", worldSize=1, prefillWorldSize=2)
+    args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [model]
+    # half a core for each rank: the test cluster's nodes have two
+    half = {"ray_actor_options": {"num_cpus": 0.5},
+            "placement_group_bundles": [{"CPU": 0.5}, {"CPU": 0.5}]}  # fmt: skip
+    args["Deployments"] = {**args.get("Deployments", {}), "Prefill": half}
+    url = deploy(cluster, args)
+    assert len(_rank_actors()) == 1  # the prefill's rank 1
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for prompt, want in zip(prompts, expected, strict=True):
+            got = client.post("/v1/completions", json={**greedy, "model": "demo", "prompt": prompt})
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
