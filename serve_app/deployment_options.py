@@ -138,8 +138,29 @@ def model_replica_options(
                 "max_replicas_per_node: drop max_replicas_per_node"
             )
         options["placement_group_bundles"] = [_bundle(options["ray_actor_options"])] * world
+        key = {"npu": "NPU", "cuda": "GPU"}.get(device)
+        # (asked of the live cluster when the app is built, not when resources are given)
+        most = _most_per_node(key) if key and cluster_resources is None else None
+        if most is not None and world > most:
+            raise ValueError(
+                f"worldSize {world}: a replica's ranks are packed on one node, and no node of "
+                f"this Ray cluster has more than {most:g} {key}: worldSize may be at most {most:g}"
+            )
         options.setdefault("placement_group_strategy", "STRICT_PACK")
     return options
+
+
+def _most_per_node(resource: str) -> float | None:
+    """The most of `resource` one live node of the Ray cluster has (None: Ray is not up here)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+    except Exception:  # noqa: BLE001 (no cluster to ask: Ray places what it can)
+        return None
+    return max((n.get("Resources", {}).get(resource, 0) for n in nodes), default=0)
 
 
 def _bundle(actor: dict[str, Any]) -> dict[str, float]:

@@ -53,6 +53,18 @@ def test_model_replicas_ask_for_their_accelerator(resources, device, expect):
     assert options["placement_group_strategy"] == "STRICT_PACK"
 
 
+def test_more_ranks_than_a_node_has_devices_is_refused_when_the_app_is_built(monkeypatch):
+    from serve_app import deployment_options
+
+    model = {"worldSize": 4, "modelWeightPath": "demo", "device": "npu"}
+    config = load_config({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [model]}}})
+    monkeypatch.setattr(deployment_options, "_most_per_node", lambda key: {"NPU": 2}[key])
+    with pytest.raises(ValueError, match="worldSize 4: .* no node .* more than 2 NPU"):
+        model_replica_options(config, 0)
+    monkeypatch.setattr(deployment_options, "_most_per_node", lambda key: 8)
+    assert len(model_replica_options(config, 0)["placement_group_bundles"]) == 4
+
+
 def test_a_replica_of_one_device_has_no_placement_group_and_user_bundles_win():
     one = load_config({})
     assert "placement_group_bundles" not in model_replica_options(one, 0, {"NPU": 8})
