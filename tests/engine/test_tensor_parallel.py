@@ -247,3 +247,36 @@ def test_an_engine_process_drives_its_own_ranks_and_takes_them_when_it_stops():
         engine.shutdown()
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+
+
+def test_ranks_on_the_strict_fake_npu_over_hccl(monkeypatch):
+    """Every rank's attention through the NPU backend on the strict fake torch_npu (each rank's
+    heads through the kernels' documented shape rules), the collectives on a backend named
+    "hccl" (gloo underneath): the tokens and log-probabilities of the CPU engine on one device."""
+    import sys
+
+    import fake_npu_ranks
+    import torch.distributed as dist
+
+    from serve_app.engine.backends.parallel import group, local
+    from serve_app.engine.backends.runner import ModelRunner
+
+    npu = dict(SMALL, block_size=128, num_kv_blocks=8, max_seq_len=256)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = _prompts()
+    with LLM("demo-tiny", **npu) as llm:
+        expected = llm.generate(prompts, params)
+    for name in ("torch_npu",):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name))
+    monkeypatch.setitem(group.BACKENDS, "cpu", group.BACKENDS["cpu"])
+    monkeypatch.setattr(ModelRunner, "__init__", ModelRunner.__init__)
+    monkeypatch.setattr(local, "START", fake_npu_ranks.START)
+    fake_npu_ranks.install()
+    with LLM("demo-tiny", world_size=2, **npu) as llm:
+        assert dist.get_backend() == "hccl"
+        got = llm.generate(prompts, params)
+        fake = sys.modules["torch_npu"]
+        assert {"paged_attention", "fused_infer_attention_score"} <= set(fake.names())
+    assert tokens(got) == tokens(expected)
+    for one, two in zip(expected, got, strict=True):
+        torch.testing.assert_close(_logprobs(two), _logprobs(one), atol=1e-4, rtol=0)

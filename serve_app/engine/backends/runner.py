@@ -68,6 +68,7 @@ class ModelRunner:
         self.hf_config = self.model.config
         self.split = plan.split_for(self.hf_config, rank, config.world_size)
         self.ranks, self.local_ranks = self._join_ranks()
+        self.broken = False  # a step failed half-way across the ranks
         self.block_size = config.block_size
         self.model.set_attn_implementation(self.backend.attention(self.kv_shape))
         self.lm_head = self.backend.prepare(self.model, self._plain_lm_head())
@@ -221,10 +222,14 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             last[i] = len(ids) - 1
         step = Step(ids, positions, seqs, num_new, [last[i] for i in sample])
-        if self.ranks is not None:
-            views = [SeqView(s.num_computed_tokens, s.block_table) for s in seqs]
-            self._tell("step", Step(ids, positions, views, num_new, step.keep))
-        return self._run(step)
+        if self.ranks is None:
+            return self._run(step)
+        views = [SeqView(s.num_computed_tokens, s.block_table) for s in seqs]
+        self.broken = True  # until the step is through: the ranks may be inside it
+        self._tell("step", Step(ids, positions, views, num_new, step.keep))
+        logits = self._run(step)
+        self.broken = False
+        return logits
 
     def _run(self, step: Step) -> torch.Tensor:
         backend = self.backend
@@ -266,12 +271,12 @@ class ModelRunner:
         """Rank 0: stop the other ranks; every rank: leave the group."""
         if self.ranks is None:
             return
-        if self.rank == 0:
+        if self.local_ranks is not None:  # they exit as the pipe to them closes, mid-step too
+            self.local_ranks.close()
+        elif self.rank == 0 and not self.broken:  # (a step that failed may hold them in one)
             with contextlib.suppress(RankFailure):  # a rank already gone
                 self._tell("stop")
         self.ranks.close()
-        if self.local_ranks is not None:
-            self.local_ranks.close()
         self.ranks = None
 
     def _forward(self, input_ids, position_ids, md, keep: torch.Tensor | None = None):
