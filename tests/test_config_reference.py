@@ -150,7 +150,9 @@ def test_world_size_acts_and_what_cannot_split_the_model_is_refused_at_load(capl
 
 
 def model_at(path: str) -> dict:
-    return args_at(("BackendConfig", "ModelDeployConfig", "ModelConfig", 0, "modelWeightPath"), path)
+    return args_at(
+        ("BackendConfig", "ModelDeployConfig", "ModelConfig", 0, "modelWeightPath"), path
+    )
 
 
 def test_every_key_without_effect_warns_in_one_load(caplog):

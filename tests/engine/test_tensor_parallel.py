@@ -239,6 +239,7 @@ def test_an_engine_process_drives_its_own_ranks_and_takes_them_when_it_stops():
         return last.outputs[0].token_ids
 
     try:
+        assert "split over 2 ranks (worldSize)" in engine.info.placement()  # the ready line's
         assert asyncio.run(generate()) == expected
         # the engine process, and its rank 1 under it
         (process,) = [c for c in children if c.ppid() == os.getpid()]

@@ -59,6 +59,7 @@ class EngineInfo:
     spare_cpus: tuple[int, ...] = ()  # helpers of its CPU GEMMs run on these (idle priority)
     decode_graphs: int = 0  # CUDA: batch sizes whose decode steps replay as graphs
     eos_token_ids: tuple[int, ...] = ()  # the model config's and the tokenizer's
+    world_size: int = 1  # ranks the model is split over (this engine's runner is rank 0)
 
     @classmethod
     def of(cls, engine, cpus: tuple[int, ...] = (), spare_cpus: tuple[int, ...] = ()) -> EngineInfo:
@@ -76,12 +77,16 @@ class EngineInfo:
             spare_cpus,
             decode_graphs=len(runner.decode_graphs.sizes) if runner.decode_graphs else 0,
             eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+            world_size=engine.config.world_size,
         )
 
     def placement(self) -> str:
-        """' on cores 1, kernel helpers on the idle time of cores 0' ('' when not bound), and
-        ', decode steps as CUDA graphs (11 batch sizes)' where they are."""
+        """' on cores 1, kernel helpers on the idle time of cores 0' ('' when not bound),
+        ', split over 2 ranks (worldSize)' and ', decode steps as CUDA graphs (11 batch sizes)'
+        where they are."""
         text = f" on cores {format_cpus(self.cpus)}" if self.cpus else ""
+        if self.world_size > 1:
+            text += f", split over {self.world_size} ranks (worldSize)"
         if self.spare_cpus:
             text += f", kernel helpers on the idle time of cores {format_cpus(self.spare_cpus)}"
         if self.decode_graphs:
