@@ -67,6 +67,8 @@ class TokenizeRequest:
     param: str = "prompt"  # the request field to name in a rejection
     add_special_tokens: bool = True
     truncate: bool = False
+    add_generation_prompt: bool = True  # chat: end with the assistant turn's opening
+    counting: bool = False  # /tokenize: no length rule, and each token's string returned
 
 
 @dataclass(slots=True)
@@ -75,6 +77,7 @@ class TokenizedPrompt:
     num_prompt_tokens: int
     truncated: bool = False  # truncation=true cut the prompt to its limit
     prompt_text: str | None = None  # the templated chat prompt (for echo / debugging)
+    token_strs: list[str] | None = None  # (counting) each id as the tokenizer spells it
 
 
 @dataclass(slots=True)

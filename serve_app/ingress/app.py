@@ -18,6 +18,7 @@ from serve_app.ingress import (
     databricks_routes,
     mindie_routes,
     openai_routes,
+    tokenize_routes,
     triton_routes,
 )
 from serve_app.ingress.admission import Admission
@@ -39,6 +40,7 @@ ROUTERS = (
     databricks_routes.router,
     mindie_routes.router,
     triton_routes.router,
+    tokenize_routes.router,
 )
 _HTTP_KINDS = {
     401: ErrorKind.UNAUTHORIZED,

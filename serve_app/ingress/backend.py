@@ -172,7 +172,7 @@ class RayBackend(_Targets):
         pool's own function, a round trip to the pool less per request."""
         from ray.exceptions import RayActorError
 
-        if req.kind == "token_ids":
+        if req.kind == "token_ids" and not req.counting:
             limits = self._limits.get(req.model) or await self._learn_limits(req.model)
             if limits is not None:
                 return token_ids_prompt(limits, req)

@@ -17,15 +17,14 @@ translated and run as one engine request per prompt.
 from __future__ import annotations
 
 import time
-from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ValidationError
 
 from serve_app.ingress import sse
 from serve_app.ingress.fan_out import gather_all
 from serve_app.ingress.openai_routes import embeddings, responses
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
+from serve_app.ingress.request_body import json_object, parse_body
 from serve_app.messages import ErrorKind, ReplicaChunk
 from serve_app.protocol.databricks_chat import DatabricksChatRequest
 from serve_app.protocol.databricks_common import CHAT_TASK, EMBEDDINGS_TASK, endpoint
@@ -34,14 +33,13 @@ from serve_app.protocol.databricks_completions import (
     DatabricksCompletionRequest,
 )
 from serve_app.protocol.embeddings import EmbeddingRequest
-from serve_app.protocol.errors import APIError, Family, from_validation_errors
+from serve_app.protocol.errors import APIError, Family
 from serve_app.protocol.openai_chat import ChatStream, chat_response
 from serve_app.protocol.responses import ResponsesRequest
 from serve_app.protocol.sampling import openai_finish
 from serve_app.protocol.tool_calls import ToolCallStream, with_tool_calls
 
 router = APIRouter(tags=["databricks"])
-_M = TypeVar("_M", bound=BaseModel)
 _TASKS = "messages (chat), prompt (completions) or input (embeddings)"
 
 
@@ -70,18 +68,19 @@ async def invocations(name: str, request: Request, p: Pipeline = Depends(pipelin
     """One endpoint, the task chosen by the body's fields."""
     if name not in dict(_endpoints(p)):
         raise _no_endpoint(p, name)
-    body = await _json_object(request)
+    body = await json_object(request)
     if name in p.embedding_names:
         if "input" not in body:
             raise APIError(
                 ErrorKind.VALIDATION, f"body must have input: {name!r} is an embedding endpoint",
                 "input",
             )  # fmt: skip
-        return await embeddings(_parse(EmbeddingRequest, body), name, p)
+        return await embeddings(parse_body(EmbeddingRequest, body), name, p)
     if "messages" in body:
-        return await chat(_parse(DatabricksChatRequest, body), name, p, "databricks")
+        return await chat(parse_body(DatabricksChatRequest, body), name, p, "databricks")
     if "prompt" in body:
-        return await completions(_parse(DatabricksCompletionRequest, body), name, p, "databricks")
+        request = parse_body(DatabricksCompletionRequest, body)
+        return await completions(request, name, p, "databricks")
     if "input" in body:
         raise APIError(
             ErrorKind.VALIDATION,
@@ -177,20 +176,3 @@ def _named(model: str | None) -> str:
     if model is None:
         raise APIError(ErrorKind.VALIDATION, "model is required: the endpoint name", "model")
     return model
-
-
-async def _json_object(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError) as exc:
-        raise APIError(ErrorKind.VALIDATION, f"body is not valid JSON: {exc}", "body") from None
-    if not isinstance(body, dict):
-        raise APIError(ErrorKind.VALIDATION, "body must be a JSON object", "body")
-    return body
-
-
-def _parse(model: type[_M], body: dict) -> _M:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_errors(list(exc.errors()), prefix_skip=()) from None

@@ -13,17 +13,21 @@ soon as it passes `ServerConfig.maxRequestLength`, without buffering more than t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 from serve_app.messages import ErrorKind
-from serve_app.protocol.errors import APIError, family_for_path
+from serve_app.protocol.errors import APIError, family_for_path, from_validation_errors
 
 Scope = dict
 Message = dict
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class RequestBody:
@@ -110,3 +114,22 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 async def _no_body() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def json_object(request: Request) -> dict:
+    """The request's JSON object (a route whose body has more than one shape reads it so)."""
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError) as exc:
+        raise APIError(ErrorKind.VALIDATION, f"body is not valid JSON: {exc}", "body") from None
+    if not isinstance(body, dict):
+        raise APIError(ErrorKind.VALIDATION, "body must be a JSON object", "body")
+    return body
+
+
+def parse_body(model: type[_M], body: dict) -> _M:
+    """`body` as `model`; a 400 naming the first bad field otherwise."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(list(exc.errors()), prefix_skip=()) from None

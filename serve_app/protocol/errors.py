@@ -128,7 +128,7 @@ def family_for_path(path: str) -> Family:
     """Which envelope a route's errors use: /v1/* and the OpenAI-compatible paths under
     /serving-endpoints/ OpenAI; /serving-endpoints/{name}/invocations and /api/2.0/* Databricks;
     /v2/* Triton; the rest MindIE."""
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):  # vLLM's, OpenAI-shaped
         return "openai"
     if path.startswith("/api/2.0/") or path.startswith("/.well-known/"):
         return "databricks"

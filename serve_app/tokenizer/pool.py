@@ -134,7 +134,11 @@ def _encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> list[
 
 
 def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
+    """req.counting (/tokenize): the ids as the model would see them, whatever their count (as
+    vLLM's /tokenize, no length rule applies), and each id's string."""
     tokenizer, limits = served.tokenizer, served.limits.for_request(req.truncate)
+    if req.counting:
+        limits = _Uncounted()
     if req.kind == "templated" and getattr(tokenizer, "chat_template", None):
         if not isinstance(req.text, str):
             raise _Refused(req.param, f"{req.param} must be a string")
@@ -147,24 +151,52 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt | Rejecti
             raise _Refused(req.param, f"{req.param} must be a string")
         ids = _encode(tokenizer, req.text, req.param, req.add_special_tokens)
         kept = limits.check_completion_prompt(ids, req.param)
-        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids))
+        prompt = TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids))
+        if req.counting:
+            prompt.token_strs = tokenizer.convert_ids_to_tokens(kept)
+        return prompt
     if req.kind == "chat":
         param = "messages" if req.param == "prompt" else req.param
         messages, extra = with_tools(tokenizer, _chat_messages(req.messages, param), req.tools)
-        text = _render(tokenizer, messages, param, **extra)
-        ids = _encode(tokenizer, text, param, False)
+        text = _render(tokenizer, messages, param, req.add_generation_prompt, **extra)
+        ids = _encode(tokenizer, text, param, req.add_special_tokens and req.counting)
         kept = limits.check_chat_prompt(ids, param)
-        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
+        prompt = TokenizedPrompt(kept, len(kept), len(kept) < len(ids), prompt_text=text)
+        if req.counting:
+            prompt.token_strs = tokenizer.convert_ids_to_tokens(kept)
+        return prompt
     if req.kind == "token_ids":
-        return token_ids_prompt(limits, req)
+        return _detokenize(served, req) if req.counting else token_ids_prompt(limits, req)
     raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", ErrorKind.UNSUPPORTED)
 
 
-def _render(tokenizer, messages: list[dict], param: str, **extra) -> str:
-    """The chat template's text for these messages, ready for the assistant's turn."""
+def _detokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt:
+    """/detokenize: ids in the vocabulary back to their text, special tokens kept (as vLLM)."""
+    ids, high = req.token_ids, (served.vocab_size or len(served.tokenizer)) - 1
+    for i, token in enumerate(ids or ()):
+        if not 0 <= token <= high:
+            raise _Refused(
+                f"{req.param}[{i}]", f"{req.param}[{i}] must be in [0, {high}], got {token}"
+            )
+    text = served.tokenizer.decode(ids, skip_special_tokens=False)
+    return TokenizedPrompt(list(ids), len(ids), prompt_text=text)
+
+
+class _Uncounted:
+    """/tokenize's limits: none (the prompt's ids as they are)."""
+
+    def check_completion_prompt(self, ids, param):
+        return list(ids)
+
+    check_chat_prompt = check_completion_prompt
+
+
+def _render(tokenizer, messages: list[dict], param: str, generation: bool = True, **extra) -> str:
+    """The chat template's text for these messages, ready for the assistant's turn unless
+    `generation` is False."""
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **extra
+            messages, add_generation_prompt=generation, tokenize=False, **extra
         )
     except Exception as exc:  # jinja errors, raise_exception() in templates, no template
         message = f"{param} could not be rendered by the chat template: {exc}"

@@ -62,6 +62,8 @@ BODIES = {  # a valid body per POST route, so that "served" means answered, not 
     "/v2/models/{model}/versions/{version}/generate_stream": {"text_input": "hi", "max_tokens": 2},
     "/v2/models/{model}/stopInfer": {"id": "nobody"},  # served: 404, no request has that id
     "/serving-endpoints/{name}/invocations": {"prompt": "hi", "max_tokens": 2},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [1, 2]},
     "/serving-endpoints/chat/completions": {**CHAT},
     "/serving-endpoints/completions": {"model": "demo", "prompt": "hi", "max_tokens": 2},
     "/serving-endpoints/embeddings": {"model": "minilm", "input": "hi"},
