@@ -145,6 +145,19 @@ class ServerConfig(Section):
         ),
         json_schema_extra=acts(),
     )
+    streamKeepAlive: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description=(
+            "(extension) Seconds a stream waits for its first token before it is answered 200 "
+            "and sent an SSE comment (': keep-alive') every as many seconds until the token "
+            "comes, so that proxies and load balancers that cut idle connections keep queued "
+            "streams; an error after that is the stream's last event. 0: a stream is answered "
+            "only once its first token or its error exists."
+        ),
+        json_schema_extra=acts(),
+    )
     streamInterval: int = Field(
         1,
         ge=1,

@@ -126,7 +126,7 @@ async def chat(body: DatabricksChatRequest, model: str, p: Pipeline, family: Fam
             req.request_id, created, model, chunk, num_prompt, logprobs, finish=openai_finish
         )
         return response if names is None else with_tool_calls(response, names)
-    chunks = await sse.peek(p.generate(model, req))
+    chunks = await sse.peek(p.generate(model, req), p.keepalive_s)
     stream = ChatStream(
         req.request_id, created, model, num_prompt, logprobs, body.include_usage, openai_finish
     )
@@ -141,7 +141,7 @@ async def completions(body: DatabricksCompletionRequest, model: str, p: Pipeline
     render = CompletionRenderer(body, p.new_request_id("cmpl"), int(time.time()), model)
     if not body.stream:
         return render.response(await p.collect_many(model, reqs, body.truncate))
-    items = await sse.peek(p.generate_many(model, reqs, body.truncate))
+    items = await sse.peek(p.generate_many(model, reqs, body.truncate), p.keepalive_s)
 
     def events(item: tuple[int | None, ReplicaChunk | None]) -> list[dict]:
         prompt, chunk = item

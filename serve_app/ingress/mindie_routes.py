@@ -34,6 +34,6 @@ async def _infer(body: mindie.InferRequest, p: Pipeline):
     seed, with_details = body.seed(), bool(body.params.details)
     if not req.stream:
         return JSONResponse(mindie.infer_response(await p.collect(model, req), seed, with_details))
-    chunks = await sse.peek(p.generate(model, req))
+    chunks = await sse.peek(p.generate(model, req), p.keepalive_s)
     events = mindie.InferStream(seed, with_details, p.config.ServerConfig.fullTextEnabled)
     return sse.EventStream(chunks, events.payloads, "mindie")

@@ -40,7 +40,7 @@ async def chat_completions(body: ChatCompletionRequest, p: Pipeline = Depends(pi
     if not body.stream:
         chunk = await p.collect(model, req)
         return chat_response(req.request_id, created, model, chunk, num_prompt, logprobs)
-    chunks = await sse.peek(p.generate(model, req))
+    chunks = await sse.peek(p.generate(model, req), p.keepalive_s)
     stream = ChatStream(req.request_id, created, model, num_prompt, logprobs, body.include_usage)
     return sse.EventStream(chunks, stream.events, "openai", done=True)
 
@@ -58,7 +58,7 @@ async def completions(body: CompletionRequest, p: Pipeline = Depends(pipeline_of
 
     if not body.stream:
         return whole(await p.collect(model, req))
-    chunks = await sse.peek(p.generate(model, req))
+    chunks = await sse.peek(p.generate(model, req), p.keepalive_s)
     if body.fake_stream:  # the replica sends one final chunk (req.stream is False)
         return sse.EventStream(chunks, lambda chunk: [whole(chunk)], "openai", done=True)
     stream = CompletionStream(req.request_id, created, model, num_prompt, logprobs)
@@ -94,7 +94,7 @@ async def responses(body: ResponsesRequest, model: str, p: Pipeline):
     builder = ResponseBuilder(body, model, prompt.num_prompt_tokens)
     if not body.stream:
         return builder.response(await p.collect(model, req))
-    chunks = await sse.peek(p.generate(model, req))
+    chunks = await sse.peek(p.generate(model, req), p.keepalive_s)
     stream = ResponseStream(builder)
     return sse.EventStream(
         chunks, stream.events, "openai", frame=sse_event, error_event=stream.error

@@ -81,6 +81,7 @@ class Pipeline:
             config.pd_mode,
             stream_interval=config.ServerConfig.streamInterval,
         )
+        self.keepalive_s = config.ServerConfig.streamKeepAlive  # sse.peek's
         self.stops = StopRegistry()
         self.metrics = Metrics()
         self.created = int(time.time())

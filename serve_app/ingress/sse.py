@@ -3,7 +3,11 @@ response that sends a started stream (`EventStream`).
 
 Peeking means an error that happens before any token exists (a rejected request, an engine that
 cannot take it) is still an HTTP error with the family's status and body, and only a stream that
-has really started answers 200 (Ray Serve LLM does the same).
+has really started answers 200 (Ray Serve LLM does the same). A request that waits longer than
+`ServerConfig.streamKeepAlive` seconds for its first token (queued behind a full batch, say) is
+answered 200 then, and an SSE comment (`: keep-alive`) goes out as often until it comes, so that
+proxies and load balancers that cut idle connections do not cut queued streams; an error after
+that is the stream's last event, as any error after the 200.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from serve_app.protocol.event_json import compact_json
 
 DONE = b"data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"
+KEEPALIVE = b": keep-alive\n\n"
 
 
 def event(payload: dict) -> bytes:
@@ -30,11 +35,56 @@ def event(payload: dict) -> bytes:
     return b"data: " + compact_json(payload) + b"\n\n"
 
 
-async def peek(chunks: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
-    """Awaits the first chunk now (errors raise here, before the response starts) and returns
-    an iterator that yields it again followed by the rest."""
-    first = await anext(chunks, None)
-    return _Replay(first, chunks)
+async def peek(
+    chunks: AsyncIterator[ReplicaChunk], keepalive_s: float = 0.0
+) -> AsyncIterator[ReplicaChunk]:
+    """Awaits the first chunk (errors raise here, before the response starts) and returns an
+    iterator that yields it again followed by the rest; with keepalive_s, for that long at most,
+    and past it one that yields KEEPALIVE every keepalive_s until the first chunk comes."""
+    if not keepalive_s:
+        return _Replay(await anext(chunks, None), chunks)
+    first = asyncio.ensure_future(anext(chunks, None))
+    try:
+        await asyncio.wait_for(asyncio.shield(first), keepalive_s)
+    except TimeoutError:
+        return _Waiting(first, chunks, keepalive_s)
+    except BaseException:
+        first.cancel()
+        raise
+    return _Replay(first.result(), chunks)
+
+
+class _Waiting:
+    """KEEPALIVE while the first chunk is pending, then it and the rest of `chunks` (an error
+    of the first ends the stream as any later one does)."""
+
+    def __init__(
+        self, first: asyncio.Future, chunks: AsyncIterator[ReplicaChunk], every_s: float
+    ) -> None:
+        self._first: asyncio.Future | None = first
+        self._chunks, self._every_s = chunks, every_s
+
+    def __aiter__(self) -> _Waiting:
+        return self
+
+    async def __anext__(self) -> ReplicaChunk | bytes:
+        first = self._first
+        if first is None:
+            return await self._chunks.__anext__()
+        done, _ = await asyncio.wait([first], timeout=self._every_s)
+        if not done:
+            return KEEPALIVE
+        self._first = None
+        chunk = first.result()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        if self._first is not None:
+            self._first.cancel()
+            self._first = None
+        await self._chunks.aclose()
 
 
 class _Replay:
@@ -126,6 +176,9 @@ class EventStream(Response):
         try:
             async with aclosing(chunks):
                 async for chunk in chunks:
+                    if chunk is KEEPALIVE:  # still waiting for the first token
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        continue
                     payloads = render(chunk)
                     if not payloads:
                         continue

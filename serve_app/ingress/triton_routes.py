@@ -67,6 +67,6 @@ async def _generate(
     if not stream:
         chunk = await p.collect(model, req, stop_key=body.id)
         return JSONResponse(triton.generate_response(head, chunk, with_details))
-    chunks = await sse.peek(p.generate(model, req, stop_key=body.id))
+    chunks = await sse.peek(p.generate(model, req, stop_key=body.id), p.keepalive_s)
     events = triton.GenerateStream(head, with_details)
     return sse.EventStream(chunks, events.payloads, "triton")

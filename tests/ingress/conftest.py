@@ -13,6 +13,9 @@ from serve_app.protocol.errors import family_for_path
 from tests.stepping import Stepping
 
 ROUTE_TEST_CONFIG = {
+    # a stream answers once its first token or its error exists, however loaded the machine
+    # (its keep-alive comments past streamKeepAlive: tests/ingress/test_sse.py)
+    "ServerConfig": {"streamKeepAlive": 0},
     "BackendConfig": {
         "ModelDeployConfig": {
             "maxSeqLen": 512,
@@ -127,7 +130,7 @@ def keyed_app():
     import copy
 
     args = copy.deepcopy(ROUTE_TEST_CONFIG)
-    args["ServerConfig"] = {"apiKeys": list(API_KEYS)}
+    args["ServerConfig"] = {**args["ServerConfig"], "apiKeys": list(API_KEYS)}
     app, replica = local_app(args)
     yield app
     replica.shutdown()

@@ -115,7 +115,7 @@ def test_the_served_app_admits_max_link_num_and_its_queue():
     """The real app with maxLinkNum 1: one request runs, two wait, the fourth is refused; the
     tokenizer pool is held shut so that the first three stay in flight."""
     args = copy.deepcopy(ROUTE_TEST_CONFIG)
-    args["ServerConfig"] = {"maxLinkNum": 1}
+    args["ServerConfig"] = {**args["ServerConfig"], "maxLinkNum": 1}
     app, replica = local_app(args)
     pipeline = app.state.pipeline
     opened = asyncio.Event()

@@ -45,7 +45,7 @@ def test_a_hostile_body_is_a_client_error_in_the_family_shape(client, path, body
 def one_slot_server(serve_live):
     """The app with maxLinkNum 1, on a real socket."""
     args = copy.deepcopy(ROUTE_TEST_CONFIG)
-    args["ServerConfig"] = {"maxLinkNum": 1}
+    args["ServerConfig"] = {**args["ServerConfig"], "maxLinkNum": 1}
     app, replica = local_app(args)
     with serve_live(app) as url:
         yield url

@@ -9,6 +9,8 @@ import asyncio
 import pytest
 
 from serve_app.ingress import sse
+from serve_app.messages import ErrorKind
+from serve_app.protocol.errors import APIError
 
 
 class Stream:
@@ -226,3 +228,99 @@ def test_the_body_goes_out_from_a_task_of_its_own_that_an_outside_cancel_ends_to
     body_tasks = {task for kind, task in senders if kind == "http.response.body"}
     assert len(body_tasks) == 1 and response not in body_tasks
     assert closed
+
+
+async def late(delay_s: float, items, fail: BaseException | None = None, closed=None):
+    """The first item after `delay_s`, then the rest (then `fail`, if given)."""
+    try:
+        await asyncio.sleep(delay_s)
+        for item in items:
+            yield item
+        if fail is not None:
+            raise fail
+    finally:
+        if closed is not None:
+            closed.set()
+
+
+def test_a_stream_that_waits_for_its_first_token_sends_keep_alive_comments():
+    async def run():
+        client = Client()
+        chunks = await sse.peek(late(0.28, [1, 2]), 0.05)  # answered after KEEPALIVE_S, not 0.28 s
+        await sse.EventStream(chunks, _events, "openai", done=True)(
+            {"type": "http"}, client.receive, client.send
+        )
+        return client
+
+    client = asyncio.run(run())
+    bodies = [m["body"] for m in client.sent[1:]]
+    keepalives = [b for b in bodies if b == sse.KEEPALIVE]
+    assert 3 <= len(keepalives) <= 6 and bodies[: len(keepalives)] == keepalives  # before data
+    assert bodies[len(keepalives) :] == [
+        b'data: {"n":0}\n\n',
+        b'data: {"n":0}\n\ndata: {"n":1}\n\n',
+        sse.DONE,
+    ]
+
+
+def test_a_quick_first_token_sends_none_and_a_late_refusal_is_the_last_event():
+    async def run(delay_s):
+        client = Client()
+        failing = late(delay_s, [], fail=APIError(ErrorKind.VALIDATION, "too long", "prompt"))
+        chunks = await sse.peek(failing, 0.05)
+        await sse.EventStream(chunks, _events, "openai", done=True)(
+            {"type": "http"}, client.receive, client.send
+        )
+        return client
+
+    with pytest.raises(APIError):  # refused at once: still an HTTP error
+        asyncio.run(run(0))
+    client = asyncio.run(run(0.12))  # refused after the 200: the stream's last event
+    assert client.sent[0]["status"] == 200
+    assert client.body().startswith(sse.KEEPALIVE) and b'"too long"' in client.body()
+    assert client.body().endswith(sse.DONE)
+
+
+def test_a_client_gone_while_waiting_closes_the_stream():
+    async def run():
+        client, closed = Client(), asyncio.Event()
+        chunks = await sse.peek(late(60, [1], closed=closed), 0.05)
+        response = asyncio.ensure_future(
+            sse.EventStream(chunks, _events, "openai")(
+                {"type": "http"}, client.receive, client.send
+            )
+        )
+        await asyncio.sleep(0.12)
+        client.gone.set()
+        await asyncio.wait_for(response, 5)
+        await asyncio.wait_for(closed.wait(), 5)  # the request was abandoned upstream
+        return client
+
+    assert asyncio.run(run()).body().startswith(sse.KEEPALIVE)
+
+
+def test_a_queued_stream_over_http_gets_keep_alive_comments_before_its_first_token(monkeypatch):
+    """The app with streamKeepAlive 0.1 s, its engine held before its first step for 0.6 s."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from tests.ingress.conftest import ROUTE_TEST_CONFIG, local_app
+    from tests.stepping import Stepping
+
+    config = {**ROUTE_TEST_CONFIG, "ServerConfig": {"streamKeepAlive": 0.1}}
+    config.pop("EmbeddingConfig")
+    app, replica = local_app(config)
+    try:
+        stepping = Stepping(replica.engine.engine, monkeypatch)
+        hold = stepping.hold_before(1)
+        threading.Timer(0.6, hold.set).start()
+        body = {"model": "demo", "prompt": "hi", "max_tokens": 2, "stream": True}
+        with TestClient(app) as client:
+            reply = client.post("/v1/completions", json=body)
+        assert reply.status_code == 200
+        text = reply.content
+        assert text.startswith(sse.KEEPALIVE) and text.count(sse.KEEPALIVE) >= 3
+        assert b"data: {" in text and text.endswith(sse.DONE)
+    finally:
+        replica.shutdown()

@@ -15,6 +15,8 @@ from tests.processes import started_by_this_run
 
 EMBEDDING_ENDPOINT = "all-minilm-l6-v2"
 SERVE_TEST_ARGS = {
+    # a stream answers once its first token or its error exists, however loaded the machine
+    "ServerConfig": {"streamKeepAlive": 0},
     "BackendConfig": {
         "tokenizerProcessNumber": 1,
         "ModelDeployConfig": {
@@ -41,7 +43,7 @@ SERVE_TEST_ARGS = {
 
 PD_ARGS = copy.deepcopy(SERVE_TEST_ARGS)
 PD_ARGS.pop("EmbeddingConfig")  # no PD test needs it: one replica less to start per deploy
-PD_ARGS["ServerConfig"] = {"inferMode": "dmi"}
+PD_ARGS["ServerConfig"] = {**PD_ARGS["ServerConfig"], "inferMode": "dmi"}
 PD_ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["dtype"] = "float32"
 
 

@@ -112,7 +112,7 @@ def test_pd_with_a_prefill_over_two_ranks_and_a_decode_over_one(cluster, http):
     body = {"model": "one", **greedy}
     expected = [http.post("/v1/completions", json={**body, "prompt": p}).json() for p in prompts]
     args = copy.deepcopy(ARGS)
-    args["ServerConfig"] = {"inferMode": "dmi"}
+    args["ServerConfig"] = {**args["ServerConfig"], "inferMode": "dmi"}
     (model,) = args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][1:]  # the "one" entry
     model.update(modelName="demo", worldSize=1, prefillWorldSize=2)
     args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [model]
