@@ -35,6 +35,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="deployments.yaml", help="Serve config file")
     parser.add_argument(
+        "--host",
+        help="the address to serve HTTP on, over the config's http_options.host (0.0.0.0: every "
+        "interface, as in a container)",
+    )
+    parser.add_argument(
         "--proxy",
         action="store_true",
         help="serve HTTP through Ray Serve's proxy actor (as `serve run` does) instead of "
@@ -56,7 +61,7 @@ def main() -> None:
 
     from serve_app.app import build_app
 
-    http = {"host": "127.0.0.1", "port": 8000, **(spec.get("http_options") or {})}
+    http = _http_options(spec, args.host)
     proxy_http = http
     if not args.proxy and not _bindable(http["host"], http["port"]):
         # Ray binds the ingress's own server without SO_REUSEADDR, which fails while the port
@@ -195,6 +200,13 @@ RAY_BACKGROUND_ENV = {
 def _quiet_ray_background() -> None:
     for name, value in RAY_BACKGROUND_ENV.items():
         os.environ.setdefault(name, value)
+
+
+def _http_options(spec: dict, host: str | None = None) -> dict:
+    """Where to serve HTTP: the file's http_options over 127.0.0.1:8000, `host` (--host) over
+    both."""
+    http = {"host": "127.0.0.1", "port": 8000, **(spec.get("http_options") or {})}
+    return {**http, "host": host} if host else http
 
 
 def _direct_ingress(port: int, num_ingress: int) -> None:

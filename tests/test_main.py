@@ -123,3 +123,10 @@ def test_each_application_runs_with_its_name_prefix_and_logging_config():
         "logging_config": {"log_level": "WARNING"},  # else the config's top-level one
     }
     assert main._run_options({}, {})["logging_config"] is None  # Ray Serve's defaults
+
+
+def test_host_overrides_the_files_http_options():
+    spec = {"http_options": {"host": "127.0.0.1", "port": 9000}}
+    assert main._http_options(spec) == {"host": "127.0.0.1", "port": 9000}
+    assert main._http_options(spec, "0.0.0.0") == {"host": "0.0.0.0", "port": 9000}
+    assert main._http_options({}) == {"host": "127.0.0.1", "port": 8000}
