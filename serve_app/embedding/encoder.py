@@ -1,8 +1,11 @@
-"""`Encoder`: texts -> sentence vectors (mean pooling, L2-normalised) and token counts.
+"""`Encoder`: texts -> sentence vectors (L2-normalised) and token counts.
 
-What sentence-transformers computes for a BERT-style model with a mean-pooling head (such as
-all-MiniLM-L6-v2), done with plain transformers so that serving needs neither
-sentence-transformers nor the hub: the folder is read offline (`local_files_only`), in float32.
+The model is sentence-transformers' own (`SentenceTransformer`, which the built-in
+all-MiniLM-L6-v2 package depends on): its modules (the transformer, the pooling the folder names,
+mean for all-MiniLM-L6-v2, a normalisation) compute each vector; a folder without a
+sentence-transformers layout gets its default, mean pooling. The folder is read offline
+(`local_files_only`), in float32. What this class adds is the serving side: the checks below,
+batches by length, and vectors normalised whatever the folder's modules do.
 
 Inputs are refused, never cut: an input longer than the model takes (its positions, or the
 `max_seq_length` of a sentence-transformers folder), or one with no text besides the special
@@ -17,7 +20,6 @@ as the model replicas' engines (docs/cpu-serving.md). `num_threads` overrides it
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
@@ -41,31 +43,28 @@ class Encoder:
     def __init__(
         self, path: str | Path, max_batch_size: int = 32, num_threads: int | None = None
     ) -> None:
-        from transformers import AutoModel, AutoTokenizer
+        from sentence_transformers import SentenceTransformer
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if num_threads:
             torch.set_num_threads(num_threads)
         self.max_batch_size = max_batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        model = AutoModel.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
-        self.model = model.eval()
-        config = model.config
-        self.dimensions: int = config.hidden_size
+        self.model = SentenceTransformer(str(path), device="cpu", local_files_only=True).eval()
+        self.tokenizer = self.model.tokenizer
+        self.dimensions: int = self.model.get_sentence_embedding_dimension()
+        encoder = self.model[0].auto_model
+        config = encoder.config
         # RoBERTa-style models number positions from pad_token_id + 1, so they hold that many
         # fewer tokens than max_position_embeddings; BERT's embeddings have no padding_idx.
-        offset = getattr(getattr(model, "embeddings", None), "padding_idx", None)
+        offset = getattr(getattr(encoder, "embeddings", None), "padding_idx", None)
         self.max_input_tokens: int = config.max_position_embeddings - (
             offset + 1 if isinstance(offset, int) else 0
         )
-        # A sentence-transformers folder names the length the model was trained on (256 for
-        # all-MiniLM-L6-v2); vLLM takes it as the model's limit too.
-        trained = Path(path) / "sentence_bert_config.json"
-        if trained.is_file():
-            length = json.loads(trained.read_text(encoding="utf-8")).get("max_seq_length")
-            if isinstance(length, int) and length > 0:
-                self.max_input_tokens = min(self.max_input_tokens, length)
+        # the length the model was trained on (sentence_bert_config.json: 256 for
+        # all-MiniLM-L6-v2); vLLM takes it as the model's limit too
+        if self.model.max_seq_length:
+            self.max_input_tokens = min(self.max_input_tokens, self.model.max_seq_length)
         self.pad_token_id: int = self.tokenizer.pad_token_id or 0
         self._special_ids = frozenset(self.tokenizer.all_special_ids)
         # Fast tokenizers can fail with "Already borrowed" when one instance is used from
@@ -132,7 +131,8 @@ class Encoder:
         for row, one in enumerate(batch):
             input_ids[row, : len(one)] = torch.tensor(one, dtype=torch.long)
             mask[row, : len(one)] = 1
-        hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=1).tolist()
+        features = {"input_ids": input_ids, "attention_mask": mask}
+        if "token_type_ids" in self.tokenizer.model_input_names:
+            features["token_type_ids"] = torch.zeros_like(input_ids)
+        vectors = self.model(features)["sentence_embedding"]
+        return torch.nn.functional.normalize(vectors, p=2, dim=1).tolist()

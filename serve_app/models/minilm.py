@@ -5,8 +5,9 @@ ready sentence-transformers folder inside the installed package: config.json,
 model.safetensors, the tokenizer files and 1_Pooling/config.json (mean pooling). Unlike SmolLM2
 there is nothing to convert, so the folder is read where it lies and never copied into the model
 cache. The package is located with `importlib.util.find_spec`, which finds it without running
-its `__init__`, so resolving the name costs no import (the package depends on
-sentence-transformers, which we never need at serving time).
+its `__init__`, so resolving the name costs no import. The package depends on
+sentence-transformers, whose `SentenceTransformer` the embedding replica runs the model with
+(embedding/encoder.py).
 
 BERT architecture: 6 layers, hidden 384, 12 heads, uncased WordPiece vocabulary of 30522,
 positions up to 512, trained on inputs up to 256 tokens (the limit served); sentence vectors
