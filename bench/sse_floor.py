@@ -129,6 +129,9 @@ class StandInBackend:
 
         return TokenizedPrompt([1], 1)
 
+    async def unavailable(self, model):
+        return None
+
     async def generate(self, model, req):
         from serve_app.messages import ChoiceDelta, ReplicaChunk, StepInfo
 

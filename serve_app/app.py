@@ -57,6 +57,7 @@ def build_app(args: dict[str, Any] | None = None):
     roles = ("prefill", "decode") if config.pd_mode else ("colocated",)
     replicas: dict[str, dict] = {role: {} for role in roles}
     names = []
+    by_model: dict[str, list[str]] = {}
     for i, model in enumerate(config.BackendConfig.ModelDeployConfig.ModelConfig):
         for role in roles:
             name = replica_deployment_name(config, i, role)
@@ -66,6 +67,7 @@ def build_app(args: dict[str, Any] | None = None):
                 config, i, role, off_engine_cores=True
             )
             names.append(name)
+            by_model.setdefault(model.modelName, []).append(name)
     # One CPU deployment per embedding endpoint; the ingress is ready once these are too.
     embedding = {}
     for i, endpoint in enumerate(config.embedding_names):
@@ -83,4 +85,7 @@ def build_app(args: dict[str, Any] | None = None):
         stops = serve.deployment(StopRegistry, name="StopRegistry", **options).bind()
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", **ingress_options(config))
     pool_app = pool.bind(config, off_engine_cores=True)
-    return ingress.bind(pool_app, replicas, config, names, embedding=embedding, stop_registry=stops)
+    return ingress.bind(
+        pool_app, replicas, config, names, embedding=embedding, stop_registry=stops,
+        model_deployments=by_model,
+    )  # fmt: skip

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from serve_app.ingress.availability import Availability
 from serve_app.messages import (
     DecodeRequest,
     EmbedRequest,
@@ -48,6 +49,8 @@ class Backend(Protocol):
 
     async def ready(self) -> bool: ...
 
+    async def unavailable(self, model: str) -> str | None: ...  # why no replica of it can now
+
     # stopInfer across ingress replicas (ingress/stops.py); without a shared registry these
     # do nothing
     def watch_stop(self, key: str, event: asyncio.Event) -> Callable[[], None] | None:
@@ -78,6 +81,10 @@ class _Targets:
         self.decode_replicas = decode or {}
         self.embedding_replicas = embedding or {}
         self.stop_registry = stop_registry
+        self.availability: Availability | None = None  # per model (Ray: set by the builder)
+
+    async def unavailable(self, model: str) -> str | None:
+        return await self.availability.unavailable(model) if self.availability else None
 
     def replicas_of(self, model: str) -> list:
         groups = (self.replicas, self.prefill_replicas, self.decode_replicas)

@@ -10,6 +10,7 @@ from typing import Any
 
 from serve_app.config import AppConfig
 from serve_app.ingress.app import create_app
+from serve_app.ingress.availability import Availability
 from serve_app.ingress.backend import RayBackend
 from serve_app.placement import bind_process
 from serve_app.token_socket.inbox import TokenInbox
@@ -24,11 +25,14 @@ class Ingress:
         replica_deployments: list[str],
         embedding: dict[str, Any] | None = None,
         stop_registry: Any = None,
+        model_deployments: dict[str, list[str]] | None = None,
     ) -> None:
         """replicas: role ("colocated", or "prefill" and "decode") -> model name -> handle.
         embedding: embedding endpoint name -> handle. replica_deployments: the deployment
         names whose health is readiness (model and embedding replicas). stop_registry: the
-        shared StopRegistry when there may be several ingress replicas (ingress/stops.py)."""
+        shared StopRegistry when there may be several ingress replicas (ingress/stops.py).
+        model_deployments: model name -> its replica deployments (a request for a model none of
+        whose replicas runs is refused at once: ingress/availability.py)."""
         from ray import serve
 
         bind_process(config.serving_cores())  # off the cores an engine process is bound to
@@ -44,6 +48,7 @@ class Ingress:
             token_inbox=_token_inbox(config),
         )
         self.backend.replica_deployments = list(replica_deployments)
+        self.backend.availability = Availability(self.backend.app_name, model_deployments or {})
 
     def __del__(self) -> None:
         inbox = getattr(getattr(self, "backend", None), "token_inbox", None)

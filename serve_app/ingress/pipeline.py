@@ -131,6 +131,8 @@ class Pipeline:
     ) -> AsyncIterator[ReplicaChunk]:
         """The replica's chunks. Errors raise `APIError`; a stopInfer ends the stream with a
         final chunk whose unfinished choices have finish_reason "aborted"."""
+        if (down := await self.backend.unavailable(model)) is not None:  # at once, not queued
+            raise APIError(ErrorKind.UNAVAILABLE, down)
         # the server's streamInterval, unless the request asked for more
         req.stream_interval = max(req.stream_interval, self.defaults.stream_interval)
         stop_event = self.stops.register(stop_key) if stop_key is not None else asyncio.Event()

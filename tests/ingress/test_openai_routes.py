@@ -660,6 +660,9 @@ class _FailingBackend:
     async def tokenize(self, req):
         return TokenizedPrompt([1, 2, 3], 3)
 
+    async def unavailable(self, model):
+        return None
+
     async def generate(self, model, req):
         if not self.fail_first:
             yield ReplicaChunk(

@@ -105,6 +105,15 @@ def test_ready_is_503_while_a_model_replica_cannot_be_placed_then_200(cluster):
                 pass
             time.sleep(0.5)
         assert response.json()["error_type"] == "Service Unavailable"
+        # a request for the model is refused at once in its family's shape, not queued until
+        # the replica can be placed (its own timeout, if any, would have long passed)
+        started = time.monotonic()
+        body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
+        for path, request in (("/v1/completions", body), ("/infer", {"inputs": "hi"})):
+            refused = httpx.post(f"{url}{path}", json=request, timeout=60)
+            assert refused.status_code == 503, (path, refused.text)
+            assert "has no replica ready yet" in refused.text
+        assert time.monotonic() - started < 30
         time.sleep(3)  # still unplaceable: still 503, never a premature 200
         # (the readiness check asks Serve's controller, which a loaded machine can keep busy
         # for more than a few seconds while it retries the placement: a generous timeout)
