@@ -76,6 +76,21 @@ class Metrics:
         self._replica_stats: dict[str, dict[str, tuple[float, dict]]] = {}
         self.registry.register(_EngineCollector(self))
 
+    def observe_request(
+        self, model, outcome, start, end, first_token_at, num_prompt, num_tokens
+    ) -> None:
+        """One generation request's end: its outcome, token counts and latencies."""
+        (self.success if outcome == "success" else self.failed).labels(model).inc()
+        self.prompt_tokens.labels(model).inc(num_prompt)
+        self.generation_tokens.labels(model).inc(num_tokens)
+        self.request_prompt_tokens.labels(model).observe(num_prompt)
+        self.request_generation_tokens.labels(model).observe(num_tokens)
+        self.e2e.labels(model).observe(end - start)
+        if first_token_at is not None:
+            self.ttft.labels(model).observe(first_token_at - start)
+            if num_tokens > 1:
+                self.tpot.labels(model).observe((end - first_token_at) / (num_tokens - 1))
+
     def observe_prefill(self, model: str, chunk) -> None:
         """The prefill replica's chunk: queue wait, then the prefill itself."""
         if chunk.steps:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from fastapi import Request
 
 from serve_app.config import AppConfig
 from serve_app.disagg.flow import pd_generate
-from serve_app.ingress import fan_out
+from serve_app.ingress import fan_out, request_ids
 from serve_app.ingress.backend import Backend
 from serve_app.ingress.interruptible import END, INTERRUPTED, Interruptible
 from serve_app.ingress.metrics import Metrics
@@ -47,6 +48,7 @@ from serve_app.tokenizer.limits import TokenLimits
 # that a request stuck before the engine (queued at a busy replica) still ends.
 _BACKSTOP_S = 1.0
 _ids = itertools.count(1)
+logger = logging.getLogger(__name__)
 
 
 class FamilyRequest(Protocol):
@@ -197,9 +199,17 @@ class Pipeline:
             # a wait still in progress (the client went away, a stop, the timeout) is
             # cancelled and the replica stream closed: the replica aborts the request
             await chunks.close()
-            self._observe(
-                model, outcome, start, loop.time(), first_token_at, num_prompt, num_tokens
+            end = loop.time()
+            self.metrics.observe_request(
+                model, outcome, start, end, first_token_at, num_prompt, num_tokens
             )
+            # the one line that ties the client's X-Request-ID (Ray Serve puts it on every line
+            # of the request; request_ids.current() outside Serve) to the engine's request id
+            logger.info(
+                "request %s: engine request %s, model %s, %s, %d prompt + %d output tokens, "
+                "%.3f s", request_ids.current(), req.request_id, model, outcome, num_prompt,
+                num_tokens, end - start,
+            )  # fmt: skip
 
     async def collect(
         self,
@@ -269,19 +279,6 @@ class Pipeline:
         m.request_prompt_tokens.labels(endpoint).observe(num_tokens)
         m.e2e.labels(endpoint).observe(time.monotonic() - start)
         return result
-
-    def _observe(self, model, outcome, start, end, first_token_at, num_prompt, num_tokens) -> None:
-        m = self.metrics
-        (m.success if outcome == "success" else m.failed).labels(model).inc()
-        m.prompt_tokens.labels(model).inc(num_prompt)
-        m.generation_tokens.labels(model).inc(num_tokens)
-        m.request_prompt_tokens.labels(model).observe(num_prompt)
-        m.request_generation_tokens.labels(model).observe(num_tokens)
-        m.e2e.labels(model).observe(end - start)
-        if first_token_at is not None:
-            m.ttft.labels(model).observe(first_token_at - start)
-            if num_tokens > 1:
-                m.tpot.labels(model).observe((end - first_token_at) / (num_tokens - 1))
 
 
 def _since_first_token(chunk: ReplicaChunk) -> float:

@@ -79,3 +79,17 @@ def test_a_failure_mid_stream_ends_it_with_the_id(client, monkeypatch, caplog):
     error = json.loads(events[-2])["error"]
     assert "request id s-1" in error["message"] and SECRET not in response.text
     assert any(SECRET in (r.exc_text or "") for r in caplog.records)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_line_per_request_ties_the_clients_id_to_the_engines(client, caplog, stream):
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 3, "stream": stream}
+    with caplog.at_level(logging.INFO, logger="serve_app.ingress.pipeline"):
+        reply = client.post("/v1/completions", json=body, headers={"X-Request-ID": "trace-me-7"})
+    assert reply.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "serve_app.ingress.pipeline"]
+    (line,) = [m for m in lines if "trace-me-7" in m]
+    engine_id = re.search(r"engine request (\S+),", line).group(1)
+    assert engine_id.startswith("cmpl-") and "success" in line and "3 output tokens" in line
+    if not stream:
+        assert reply.json()["id"] == engine_id  # the id the client sees in the body too
