@@ -147,6 +147,15 @@ def model_replica_options(
                 f"this Ray cluster has more than {most:g} {key}: worldSize may be at most {most:g}"
             )
         options.setdefault("placement_group_strategy", "STRICT_PACK")
+    if options.get("num_replicas") == "auto" or options.get("autoscaling_config"):
+        # a replica runs maxBatchSize requests at once and queues the rest in its engine: scale
+        # out when replicas hold more than that on average (Ray Serve's own default, 2, would
+        # start a replica for every few requests)
+        scaling = dict(options.get("autoscaling_config") or {})
+        scaling.setdefault(
+            "target_ongoing_requests", config.BackendConfig.ScheduleConfig.maxBatchSize
+        )
+        options["autoscaling_config"] = scaling
     return options
 
 

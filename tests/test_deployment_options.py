@@ -104,6 +104,30 @@ def test_user_options_merge_over_the_derived_ones_per_role():
     assert model_replica_options(config, 0, {"NPU": 2})["num_replicas"] == 1  # colocated default
 
 
+def test_autoscaling_targets_the_engines_batch_unless_the_user_says():
+    sched = {"ScheduleConfig": {"maxBatchSize": 48, "maxPrefillBatchSize": 16}}
+    auto = load_config(
+        {"BackendConfig": sched, "Deployments": {"ModelReplica": {"num_replicas": "auto"}}}
+    )
+    options = model_replica_options(auto, 0, {"CPU": 2})
+    assert options["num_replicas"] == "auto"
+    assert options["autoscaling_config"] == {"target_ongoing_requests": 48}
+    own = {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+    }
+    mine = load_config(
+        {
+            "BackendConfig": sched,
+            "Deployments": {"Decode": own},
+            "ServerConfig": {"inferMode": "dmi"},
+        }
+    )
+    decode = model_replica_options(mine, 0, {"CPU": 2}, role="decode")
+    assert decode["autoscaling_config"]["target_ongoing_requests"] == 8
+    plain = model_replica_options(load_config({}), 0, {"CPU": 2})
+    assert "autoscaling_config" not in plain and plain["num_replicas"] == 1
+
+
 def test_health_check_timing_is_configurable_and_checked():
     default = model_replica_options(load_config({}), 0, {"CPU": 2})
     assert (default["health_check_period_s"], default["health_check_timeout_s"]) == (10, 60)

@@ -25,12 +25,19 @@ class DeploymentOptions(Section):
 
     num_replicas: int | Literal["auto"] | None = Field(
         None,
-        description="Replica count, or 'auto' for Ray Serve autoscaling defaults.",
+        description=(
+            "Replica count, or 'auto' for Ray Serve autoscaling (a model replica deployment's "
+            "target_ongoing_requests defaults to ScheduleConfig.maxBatchSize)."
+        ),
         json_schema_extra=acts(),
     )
     autoscaling_config: dict[str, Any] | None = Field(
         None,
-        description="Ray Serve autoscaling_config (min_replicas, max_replicas, ...).",
+        description=(
+            "Ray Serve autoscaling_config (min_replicas, max_replicas, ...); on a model replica "
+            "deployment target_ongoing_requests defaults to ScheduleConfig.maxBatchSize, the "
+            "requests one engine runs at once."
+        ),
         json_schema_extra=acts(),
     )
     max_ongoing_requests: int | None = Field(
