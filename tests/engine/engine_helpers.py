@@ -21,3 +21,13 @@ def assert_idle(llm):
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
     assert not llm.engine.requests
+
+
+def run_to_end(engine):
+    """Step an LLMEngine until no request is left; the finished outputs by request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return done

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from engine_helpers import run_to_end as run
 
 from serve_app.engine import (
     EngineConfig,
@@ -68,15 +69,6 @@ def decode():
 def prompts():
     generator = torch.Generator().manual_seed(99)
     return [torch.randint(0, 151643, (n,), generator=generator).tolist() for n in (1, 7, 40, 75)]
-
-
-def run(engine):
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return finished
 
 
 def assert_idle(*engines):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import assert_idle, tokens
+from engine_helpers import assert_idle, run_to_end, tokens
 from transformers import LlamaConfig
 
 from serve_app.engine import EngineRequest, SamplingParams
@@ -101,15 +101,6 @@ def _logprobs(output):
     return torch.tensor([lp.logprob for lp in output.outputs[0].logprobs])
 
 
-def _run(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-    return done
-
-
 class TestDemoOverTwoRanks:
     def test_the_demo_over_two_ranks_is_the_demo_on_one(self, demo_engines):
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -150,13 +141,13 @@ class TestDemoOverTwoRanks:
         prompt = _prompts()[0]
         (expected,) = demo_engines[1].generate([prompt], params)
         prefill.add_request(EngineRequest("p", prompt, params, export_kv=True))
-        exported = _run(prefill)["p"]
+        exported = run_to_end(prefill)["p"]
         payload = exported.kv_payload
         assert payload.keys[0].shape[1] == 2  # the demo's two KV heads, whatever the world size
         first = exported.outputs[0].token_ids[0]
         imported = ImportedPrefill(first, payload, None, max_output_tokens=10)
         decode.add_request(EngineRequest("d", prompt, params, imported=imported))
-        decoded = _run(decode)["d"]
+        decoded = run_to_end(decode)["d"]
         assert decoded.outputs[0].token_ids == expected.outputs[0].token_ids
         # (the decode side reports the tokens after the first: they read the moved KV)
         after_first = _logprobs(expected)[1:]
