@@ -48,6 +48,9 @@ MINIMAL = {
     "databricks_chat.ChatMessage": {"role": "user"},
     "openai_chat.ChatMessage": {"role": "user", "content": "hi"},
     "databricks_chat.ToolCall": {"id": "call_1", "function": {"name": "f", "arguments": "{}"}},
+    "tokenize.TokenizeCompletion": {"prompt": "hi"},
+    "tokenize.TokenizeChat": {"messages": [{"role": "user", "content": "hi"}]},
+    "tokenize.Detokenize": {"tokens": [1, 2]},
 }
 
 
