@@ -134,11 +134,20 @@ def _encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> list[
 
 
 def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
-    """req.counting (/tokenize): the ids as the model would see them, whatever their count (as
-    vLLM's /tokenize, no length rule applies), and each id's string."""
-    tokenizer, limits = served.tokenizer, served.limits.for_request(req.truncate)
-    if req.counting:
-        limits = _Uncounted()
+    """req.counting: /detokenize for token ids; else /tokenize, the ids as the model would see
+    them, whatever their count (as vLLM's /tokenize, no length rule applies), and each id's
+    string."""
+    if not req.counting:
+        return _prompt(served, req, served.limits.for_request(req.truncate))
+    if req.kind == "token_ids":
+        return _detokenize(served, req)
+    prompt = _prompt(served, req, _Uncounted())
+    prompt.token_strs = served.tokenizer.convert_ids_to_tokens(prompt.prompt_token_ids)
+    return prompt
+
+
+def _prompt(served: _Model, req: TokenizeRequest, limits) -> TokenizedPrompt | Rejection:
+    tokenizer = served.tokenizer
     if req.kind == "templated" and getattr(tokenizer, "chat_template", None):
         if not isinstance(req.text, str):
             raise _Refused(req.param, f"{req.param} must be a string")
@@ -151,22 +160,16 @@ def _tokenize(served: _Model, req: TokenizeRequest) -> TokenizedPrompt | Rejecti
             raise _Refused(req.param, f"{req.param} must be a string")
         ids = _encode(tokenizer, req.text, req.param, req.add_special_tokens)
         kept = limits.check_completion_prompt(ids, req.param)
-        prompt = TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids))
-        if req.counting:
-            prompt.token_strs = tokenizer.convert_ids_to_tokens(kept)
-        return prompt
+        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids))
     if req.kind == "chat":
         param = "messages" if req.param == "prompt" else req.param
         messages, extra = with_tools(tokenizer, _chat_messages(req.messages, param), req.tools)
         text = _render(tokenizer, messages, param, req.add_generation_prompt, **extra)
         ids = _encode(tokenizer, text, param, req.add_special_tokens and req.counting)
         kept = limits.check_chat_prompt(ids, param)
-        prompt = TokenizedPrompt(kept, len(kept), len(kept) < len(ids), prompt_text=text)
-        if req.counting:
-            prompt.token_strs = tokenizer.convert_ids_to_tokens(kept)
-        return prompt
+        return TokenizedPrompt(kept, len(kept), truncated=len(kept) < len(ids), prompt_text=text)
     if req.kind == "token_ids":
-        return _detokenize(served, req) if req.counting else token_ids_prompt(limits, req)
+        return token_ids_prompt(limits, req)
     raise _Refused("kind", f"unknown tokenize kind {req.kind!r}", ErrorKind.UNSUPPORTED)
 
 

@@ -66,7 +66,10 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(self.model_path) if with_tokenizer else None
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.hf_config = self.model.config
-        self.split = plan.split_for(self.hf_config, rank, config.world_size)
+        # every rank's part (rank 0 gathers and hands out KV heads by them), this rank's
+        world = config.world_size
+        self.splits = [plan.split_for(self.hf_config, r, world) for r in range(world)]
+        self.split = self.splits[rank]
         self.ranks, self.local_ranks = self._join_ranks()
         self.broken = False  # a step failed half-way across the ranks
         self.block_size = config.block_size
@@ -189,14 +192,14 @@ class ModelRunner:
         payload = kv_transfer.gather(self.kv_caches, block_table, num_tokens, self.block_size)
         if self.ranks is None:
             return payload
-        return parallel_kv.merge(self.ranks.gather(payload), self._splits())
+        return parallel_kv.merge(self.ranks.gather(payload), self.splits)
 
     def write_kv(self, block_table: list[int], payload: KVPayload) -> None:
         """Scatter a payload (every KV head of the model) into blocks this runner's pool handed
         out (PD import); each rank takes its heads."""
         if self.ranks is not None:
             self._tell("write", block_table)
-            parts = [parallel_kv.part(payload, split) for split in self._splits()]
+            parts = [parallel_kv.part(payload, split) for split in self.splits]
             payload = self.ranks.scatter(parts)
         kv_transfer.scatter(self.kv_caches, block_table, payload, self.block_size)
 
@@ -241,10 +244,6 @@ class ModelRunner:
         return self._forward(ids, positions, md, self._tensor(step.keep))
 
     # -- the ranks ------------------------------------------------------------------------------
-
-    def _splits(self) -> list[plan.Split]:
-        world = self.config.world_size
-        return [plan.split_for(self.hf_config, r, world) for r in range(world)]
 
     def _tell(self, *message) -> None:
         if self.ranks is not None:

@@ -40,7 +40,6 @@ class Split:
     heads: int  # query heads this rank computes
     kv_heads: int  # KV heads this rank holds (and caches)
     kv_head_start: int  # the first of them, among the model's
-    intermediate: int  # MLP features this rank computes
 
 
 def _divisors(n: int, limit: int = 64) -> list[int]:
@@ -94,12 +93,11 @@ def split_for(hf_config, rank: int, world: int) -> Split:
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if world == 1:
-        return Split(0, 1, heads, kv, 0, getattr(hf_config, "intermediate_size", 0))
+        return Split(0, 1, heads, kv, 0)
     kv_heads = max(1, kv // world)
     # with fewer KV heads than ranks, rank r's query heads read KV head r // (world // kv)
     kv_start = rank * kv_heads if kv >= world else rank // (world // kv)
-    intermediate = hf_config.intermediate_size // world
-    return Split(rank, world, heads // world, kv_heads, kv_start, intermediate)
+    return Split(rank, world, heads // world, kv_heads, kv_start)
 
 
 def _rows(t: torch.Tensor | None, start: int, count: int) -> torch.Tensor | None:
