@@ -10,8 +10,6 @@ peers' next collective at once; the replica's health check reports it too.
 
 from __future__ import annotations
 
-import logging
-
 import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -19,8 +17,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from serve_app.engine.backends.parallel.group import Rendezvous
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.host.async_engine import AsyncEngine
-
-logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -204,7 +204,8 @@ def test_ranks_beyond_the_kv_heads_give_the_same_tokens_and_end_with_the_engine(
         torch.testing.assert_close(_logprobs(four), _logprobs(one), atol=1e-4, rtol=0)
 
 
-def test_an_engine_process_drives_its_own_ranks_and_takes_them_when_it_stops():
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "thread"])
+def test_an_engine_drives_its_own_ranks_and_takes_them_when_it_stops(engine_process):
     import asyncio
 
     import psutil
@@ -216,7 +217,7 @@ def test_an_engine_process_drives_its_own_ranks_and_takes_them_when_it_stops():
     prompt = _prompts()[0]
     with LLM("demo-tiny", **SMALL) as llm:
         (expected,) = tokens(llm.generate([prompt], params))
-    settings = {**SMALL, "model": "demo-tiny", "engine_process": True, "world_size": 2}
+    settings = {**SMALL, "model": "demo-tiny", "engine_process": engine_process, "world_size": 2}
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     engine = AsyncEngine(EngineConfig(**settings))
     children = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
@@ -229,9 +230,11 @@ def test_an_engine_process_drives_its_own_ranks_and_takes_them_when_it_stops():
     try:
         assert "split over 2 ranks (worldSize)" in engine.info.placement()  # the ready line's
         assert asyncio.run(generate()) == expected
-        # the engine process, and its rank 1 under it
-        (process,) = [c for c in children if c.ppid() == os.getpid()]
-        assert [c.ppid() for c in children if c != process] == [process.pid]
+        if engine_process:  # the engine process, and its rank 1 under it
+            (process,) = [c for c in children if c.ppid() == os.getpid()]
+            assert [c.ppid() for c in children if c != process] == [process.pid]
+        else:  # rank 1, under this process (rank 0, its engine on a thread)
+            assert [c.ppid() for c in children] == [os.getpid()]
     finally:
         engine.shutdown()
     gone, alive = psutil.wait_procs(children, timeout=10)

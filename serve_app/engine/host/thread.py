@@ -75,3 +75,4 @@ class EngineThread:
             # stopped or dead: nothing will answer a stream any more, so fail those left
             self._stopped = True
             self._on_exit("the engine loop is not running")
+            self.engine.close()  # the other ranks, where the model is split over several
