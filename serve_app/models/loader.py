@@ -63,7 +63,13 @@ def config_on_disk(model_weight_path: str) -> PretrainedConfig | None:
         folder = Path(model_weight_path).expanduser()
     if not (folder / "config.json").is_file():
         return None
-    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    return load_config(folder)
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

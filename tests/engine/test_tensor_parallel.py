@@ -76,6 +76,99 @@ def test_kv_heads_merge_and_part_round_trip(world):
         torch.testing.assert_close(a, b)
 
 
+# -- loading a rank's part ----------------------------------------------------------------------
+
+
+def _read_elements(monkeypatch) -> dict[str, int]:
+    """How many elements of each tensor the rank's loader reads from safetensors files."""
+    from serve_app.engine.backends.parallel import load
+
+    read: dict[str, int] = {}
+    real_open = load.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            t = self.file.get_tensor(name)
+            read[name] = read.get(name, 0) + t.numel()
+            return t
+
+        def get_slice(self, name):
+            handle = self.file
+
+            class Slice:
+                def __getitem__(self, index):
+                    t = handle.get_slice(name)[index]
+                    read[name] = read.get(name, 0) + t.numel()
+                    return t
+
+            return Slice()
+
+    monkeypatch.setattr(load, "safe_open", Counting)
+    return read
+
+
+@pytest.mark.parametrize(("model", "world"), [("demo-tiny", 2), ("demo-tiny", 4), ("smollm2", 3)])
+def test_each_rank_reads_only_its_part_of_the_split_weights(model, world, monkeypatch):
+    """A rank's model is the whole model sliced for it, and the rank read from the checkpoint
+    only its slice of each split weight (a model too big for one device or host loads)."""
+    from serve_app.engine.backends.parallel.load import load_part
+    from serve_app.models.loader import load_config, load_model, resolve_model_path
+
+    path = resolve_model_path("smollm2-135m-instruct" if model == "smollm2" else model)
+    cfg = load_config(path)
+    read = _read_elements(monkeypatch)
+    for rank in range(world):
+        split = plan.split_for(cfg, rank, world)
+        read.clear()
+        part = load_part(path, torch.float32, torch.device("cpu"), split).state_dict()
+        expected = load_model(path, torch.float32, torch.device("cpu"))
+        wanted = plan.parts(expected, split)
+        assert wanted and plan.apply(expected, split) == len(wanted)
+        expected = expected.state_dict()
+        assert part.keys() == expected.keys()
+        for name, t in expected.items():
+            assert torch.equal(part[name], t), name
+        for name in wanted:  # a dropped bias (rowwise, rank > 0) is not read at all
+            kept = expected.get(name)
+            assert read.get(name, 0) == (0 if kept is None else kept.numel()), name
+
+
+def test_a_checkpoint_without_safetensors_is_split_on_the_host(tmp_path):
+    """Weights in pytorch_model.bin (no slice can be read from it): loaded whole on the host and
+    sliced there, the same part."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from serve_app.engine.backends.parallel.load import load_part
+    from serve_app.models.loader import load_config, resolve_model_path
+
+    source = resolve_model_path("demo-tiny")
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    weights = tmp_path / "model.safetensors"
+    torch.save(load_file(weights), tmp_path / "pytorch_model.bin")
+    weights.unlink()
+    split = plan.split_for(load_config(source), 1, 2)
+    from_bin = load_part(tmp_path, torch.float32, torch.device("cpu"), split).state_dict()
+    expected = load_part(source, torch.float32, torch.device("cpu"), split).state_dict()
+    assert from_bin.keys() == expected.keys()
+    for name, t in expected.items():
+        assert torch.equal(from_bin[name], t), name
+
+
 # -- over ranks ---------------------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """worldSize over Ray: a model split over two ranks (the replica and one rank actor in the
 replica's placement group) answers every API family as the same model on one rank does, greedy
 tokens and log-probabilities alike; a rank killed mid-stream ends the stream with an error, and
-Ray Serve replaces the replica with all its ranks. Slow."""
+Ray Serve replaces the replica with all its ranks; in PD mode the prefill and the decode are each
+split over two. Slow."""
 
 from __future__ import annotations
 
@@ -103,10 +104,11 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_the_replica_is_replaced(se
     assert [a["name"] for a in actors("ModelReplica-demo")] != [replica["name"]]
 
 
-def test_pd_with_a_prefill_over_two_ranks_and_a_decode_over_one(cluster, http):
-    """The hand-off moves every KV head: a prefill split over 2 ranks feeds a decode on 1, and
-    the answers are the model's on one device (the app before this one's "one"). PD refuses
-    logprobs: the engine tests compare them across world sizes through the hand-off."""
+def test_pd_with_the_prefill_and_the_decode_each_over_two_ranks(cluster, http):
+    """The hand-off moves every KV head: a prefill split over 2 ranks feeds a decode split over
+    2, and the answers are the model's on one device (the app before this one's "one"). PD
+    refuses logprobs: the engine tests compare them across world sizes through the hand-off
+    (2 to 1 and 1 to 2 there)."""
     greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
     prompts = ["tell me a story about", "a b c d e f"]
     body = {"model": "one", **greedy}
@@ -114,14 +116,14 @@ def test_pd_with_a_prefill_over_two_ranks_and_a_decode_over_one(cluster, http):
     args = copy.deepcopy(ARGS)
     args["ServerConfig"] = {**args["ServerConfig"], "inferMode": "dmi"}
     (model,) = args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][1:]  # the "one" entry
-    model.update(modelName="demo", worldSize=1, prefillWorldSize=2)
+    model.update(modelName="demo", worldSize=2)  # prefill and decode alike
     args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [model]
     # half a core for each rank: the test cluster's nodes have two
     half = {"ray_actor_options": {"num_cpus": 0.5},
             "placement_group_bundles": [{"CPU": 0.5}, {"CPU": 0.5}]}  # fmt: skip
-    args["Deployments"] = {**args.get("Deployments", {}), "Prefill": half}
+    args["Deployments"] = {**args.get("Deployments", {}), "Prefill": half, "Decode": half}
     url = deploy(cluster, args)
-    assert len(_rank_actors()) == 1  # the prefill's rank 1
+    assert len(_rank_actors()) == 2  # the prefill's rank 1 and the decode's
     with httpx.Client(base_url=url, timeout=60) as client:
         for prompt, want in zip(prompts, expected, strict=True):
             got = client.post("/v1/completions", json={**greedy, "model": "demo", "prompt": prompt})

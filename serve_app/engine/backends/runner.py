@@ -27,12 +27,13 @@ from serve_app.engine.backends.metadata import build_metadata
 from serve_app.engine.backends.parallel import kv as parallel_kv
 from serve_app.engine.backends.parallel import plan
 from serve_app.engine.backends.parallel.group import RankGroup, Rendezvous
+from serve_app.engine.backends.parallel.load import load_part
 from serve_app.engine.backends.parallel.local import LocalRanks
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import RankFailure
 from serve_app.engine.kv_transfer import KVPayload
 from serve_app.engine.sequence import Sequence
-from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
+from serve_app.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
 
 
 @dataclass(slots=True)
@@ -64,13 +65,17 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model)
         # (an engine process leaves it to its parent, which loads it while this loads the model)
         self.tokenizer = load_tokenizer(self.model_path) if with_tokenizer else None
-        self.model = load_model(self.model_path, self.dtype, self.device)
-        self.hf_config = self.model.config
-        # every rank's part (rank 0 gathers and hands out KV heads by them), this rank's
         world = config.world_size
+        self.hf_config = load_config(self.model_path)
+        # every rank's part (rank 0 gathers and hands out KV heads by them), this rank's
         self.splits = [plan.split_for(self.hf_config, r, world) for r in range(world)]
         self.split = self.splits[rank]
-        self.ranks, self.local_ranks = self._join_ranks()
+        if world == 1:
+            self.model = load_model(self.model_path, self.dtype, self.device)
+            self.ranks = self.local_ranks = None
+        else:
+            self.model, self.ranks, self.local_ranks = self._load_split()
+        self.hf_config = self.model.config
         self.broken = False  # a step failed half-way across the ranks
         self.block_size = config.block_size
         self.model.set_attn_implementation(self.backend.attention(self.kv_shape))
@@ -83,12 +88,11 @@ class ModelRunner:
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def _join_ranks(self) -> tuple[RankGroup | None, LocalRanks | None]:
-        """With world_size > 1: join the other ranks (rank 0 of an engine without a rendezvous
-        starts them as local processes first) and keep this rank's part of the weights."""
+    def _load_split(self):
+        """world_size > 1: (model, RankGroup, LocalRanks or None). Rank 0 of an engine without a
+        rendezvous starts the other ranks as local processes first (they load as it loads);
+        each rank loads only its part of the weights, then the ranks join."""
         world = self.config.world_size
-        if world == 1:
-            return None, None
         found = plan.problems(self.hf_config, world)
         if found:
             raise ValueError(found[0])
@@ -99,13 +103,14 @@ class ModelRunner:
             rendezvous = Rendezvous.here()
             local = LocalRanks(self.config.replace(tp_rendezvous=rendezvous.address))
         try:
+            model = load_part(self.model_path, self.dtype, self.device, self.split)
             ranks = RankGroup(rendezvous, self.rank, world, self.device)
         except BaseException:
             if local is not None:
                 local.close()
             raise
-        plan.apply(self.model, self.split, ranks.all_reduce)
-        return ranks, local
+        plan.mark_reduce(model, ranks.all_reduce)
+        return model, ranks, local
 
     def _plain_lm_head(self) -> torch.nn.Linear | None:
         """The LM head when logits are just hidden @ W^T (then the runner applies it only at

@@ -4,8 +4,9 @@ Which layers are split, and how, is transformers' own tensor-parallel plan for t
 (`base_model_tp_plan`: q/k/v and the MLP's gate and up "colwise", the attention's o and the
 MLP's down "rowwise", for Llama- and Qwen2-shaped models). transformers applies its plan by
 turning the weights into DTensors; the engine's CPU layers pack plain weight tensors and its
-attention writes a paged cache, so the plan is applied here on plain tensors instead, once,
-after loading:
+attention writes a paged cache, so the plan is applied here to plain tensors instead: `parts`
+names each rank's slice of each split weight, which load.py reads from the checkpoint (or `apply`
+cuts from a model loaded whole):
 
 * colwise: each rank keeps its slice of the output features (its query heads; its share of the
   MLP's intermediate size) and of the bias;
@@ -100,45 +101,91 @@ def split_for(hf_config, rank: int, world: int) -> Split:
     return Split(rank, world, heads // world, kv_heads, kv_start)
 
 
-def _rows(t: torch.Tensor | None, start: int, count: int) -> torch.Tensor | None:
-    return None if t is None else t.detach()[start : start + count].clone()
+@dataclass(frozen=True)
+class Part:
+    """The part of one weight a rank keeps: `count` rows (dim 0) or columns (dim 1) from
+    `start`; count 0 drops the tensor (a rowwise layer's bias, kept on rank 0 only)."""
+
+    dim: int
+    start: int
+    count: int
+
+    def take(self, t):
+        """This part of `t`: a torch tensor, or a safetensors slice (read from the file only
+        then)."""
+        if self.dim == 0:
+            return t[self.start : self.start + self.count]
+        return t[:, self.start : self.start + self.count]
 
 
-def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
-    linear.out_features, linear.in_features = weight.shape
-
-
-def apply(model: nn.Module, split: Split, reduce: Callable[[torch.Tensor], torch.Tensor]) -> int:
-    """Slice the decoder's weights in place for `split`'s rank; rowwise layers get an attribute
-    `tp_reduce` (the all-reduce that sums their partial outputs: the CPU backend's fused layers
-    call it, `reduce_outputs` hooks it onto transformers' own). How many layers were split."""
+def _split_linears(model: nn.Module):
+    """(name, Linear, style) of every decoder Linear the model's plan splits."""
     decoder = model.get_decoder()
+    for pattern, style in model_plan(model.config).items():
+        for name, module in decoder.named_modules():
+            if fnmatch.fnmatchcase(name, pattern) and isinstance(module, nn.Linear):
+                yield name, module, style
+
+
+def parts(model: nn.Module, split: Split) -> dict[str, Part]:
+    """The part of each split weight `split`'s rank keeps, by its name in the model's state
+    dict ("model.layers.0.self_attn.q_proj.weight"); read from the (whole) shapes of `model`,
+    whose weights may be on the meta device."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    count = 0
-    for pattern, style in model_plan(cfg).items():
-        for name, module in decoder.named_modules():
-            if not fnmatch.fnmatchcase(name, pattern) or not isinstance(module, nn.Linear):
-                continue
-            if style == "rowwise":
-                width = module.in_features // split.world
-                weight = module.weight.detach()[:, split.rank * width : (split.rank + 1) * width]
-                bias = module.bias if split.rank == 0 and module.bias is not None else None
-                _set(module, weight.clone(), None if bias is None else bias.detach())
-                module.tp_reduce = reduce
-            elif name.endswith(("k_proj", "v_proj")):
-                rows = split.kv_heads * head_dim
-                start = split.kv_head_start * head_dim
-                _set(module, _rows(module.weight, start, rows), _rows(module.bias, start, rows))
+    decoder = model.get_decoder()
+    prefix = next((f"{n}." for n, m in model.named_modules() if m is decoder and n), "")
+    found = {}
+    for name, module, style in _split_linears(model):
+        key = f"{prefix}{name}"
+        if style == "rowwise":
+            width = module.in_features // split.world
+            found[f"{key}.weight"] = Part(1, split.rank * width, width)
+            bias = Part(0, 0, module.out_features if split.rank == 0 else 0)
+        else:
+            if name.endswith(("k_proj", "v_proj")):
+                rows = Part(0, split.kv_head_start * head_dim, split.kv_heads * head_dim)
             else:
-                rows = module.out_features // split.world
-                start = split.rank * rows
-                _set(module, _rows(module.weight, start, rows), _rows(module.bias, start, rows))
-            count += 1
-    return count
+                count = module.out_features // split.world
+                rows = Part(0, split.rank * count, count)
+            found[f"{key}.weight"] = bias = rows
+        if module.bias is not None:
+            found[f"{key}.bias"] = bias
+    return found
+
+
+def set_part(model: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """Put `tensor` (this rank's part, or None: dropped) in place of the parameter `name`,
+    keeping the Linear's in/out features in step with its weight."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    module._parameters[attr] = (
+        None if tensor is None else nn.Parameter(tensor.contiguous(), requires_grad=False)
+    )
+    if attr == "weight" and isinstance(module, nn.Linear):
+        module.out_features, module.in_features = tensor.shape
+
+
+def apply(model: nn.Module, split: Split) -> int:
+    """Slice a wholly loaded model's split weights in place for `split`'s rank (`load.load_part`
+    reads only the parts from the checkpoint instead). How many tensors were split."""
+    found = parts(model, split)
+    state = model.state_dict(keep_vars=True)
+    for name, part in found.items():
+        kept = part.take(state[name].detach()).clone() if part.count else None
+        set_part(model, name, kept)
+    return len(found)
+
+
+def mark_reduce(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Give every rowwise Linear the all-reduce that sums its partial outputs (`tp_reduce`: the
+    CPU backend's fused layers call it, `reduce_outputs` hooks it onto transformers' own)."""
+    marked = 0
+    for _name, module, style in _split_linears(model):
+        if style == "rowwise":
+            module.tp_reduce = reduce
+            marked += 1
+    return marked
 
 
 def reduce_outputs(model: nn.Module) -> int:
