@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
 
-.PHONY: serve test test-fast lint bench install
+.PHONY: serve test test-fast lint bench install compile
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,14 +18,16 @@ $(BIN)/python:
 # to find it (a local wheel, an index of CPU builds) and no dependency pulls a CUDA wheel; the
 # rest is installed by uv (the same versions pip picks, several times faster; pip again if uv
 # cannot). The bytecode is compiled here, on every core: where PYTHONDONTWRITEBYTECODE is set, a
-# process never writes what it compiles, so every Ray worker and replica would compile torch,
-# Ray and transformers anew. Then the built-in SmolLM2 is converted into the model cache once (a
+# process never writes what it compiles, so every Ray worker, replica and engine process would
+# compile anew what it imports (torch with what pip brings along, sympy, jinja2 and the rest:
+# ~3 s of CPU per engine process; uv compiles what it installs; `compile` below, this package).
+# Then the built-in SmolLM2 is converted into the model cache once (a
 # no-op when it is there; a replica that finds it missing converts it the same way on first use)
 # while the engine's CPU kernels are compiled into the same cache (likewise; without a C++
 # compiler the engine runs without them and says so).
 $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile $(TORCH)
-	$(BIN)/python -m compileall -q -j 0 $(SITE)/torch > /dev/null || true
+	$(BIN)/python -m compileall -q -j 0 $(SITE) > /dev/null || true
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[$*]' $(TORCH) \
 		|| $(BIN)/pip install -q -e '.[$*]' $(TORCH)
 	$(BIN)/python -m serve_app.models.smollm2 & convert=$$!; \
@@ -39,17 +41,22 @@ install: $(TEST_STAMP)
 
 CONFIG ?= deployments.yaml
 
+# this package's bytecode (an editable install: the sources are here), for the same reason as
+# above; only what changed since is compiled again
+compile: | $(BIN)/python
+	$(BIN)/python -m compileall -q serve_app bench > /dev/null
+
 # (where `make test` installed already, its superset serves)
-serve: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(SERVE_STAMP))
+serve: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(SERVE_STAMP)) compile
 	$(BIN)/python -m serve_app $(CONFIG)
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) compile
 	$(BIN)/ruff check serve_app tests bench
 	$(BIN)/python -m pytest -q --durations=15 -n 2
 
 # The inner loop: everything but the tests that start Ray or a server (marker `ray`) and the
 # heaviest files (marker `slow`; both listed in tests/conftest.py). CI runs `make test`.
-test-fast: $(TEST_STAMP)
+test-fast: $(TEST_STAMP) compile
 	$(BIN)/python -m pytest -q -n 2 -m "not ray and not slow"
 
 bench: $(TEST_STAMP)
