@@ -96,6 +96,9 @@ def _merge(defaults: dict[str, Any], user: DeploymentOptions) -> dict[str, Any]:
     return options
 
 
+PREFIX_ROUTER = "serve_app.routing.prefix_router:PrefixAwareRouter"
+
+
 def model_replica_options(
     config: AppConfig,
     model_index: int = 0,
@@ -147,6 +150,16 @@ def model_replica_options(
                 f"this Ray cluster has more than {most:g} {key}: worldSize may be at most {most:g}"
             )
         options.setdefault("placement_group_strategy", "STRICT_PACK")
+    schedule = config.BackendConfig.ScheduleConfig
+    if role != "decode" and schedule.enablePrefixCaching:
+        # a request goes to the replica that caches its prompt's prefix (routing/); a decode
+        # replica's KV comes from the prefill, so decodes are spread as Ray Serve spreads them.
+        # Each replica reports what it was sent every 2 s, for the other ingress replicas.
+        options.setdefault("request_router_config", {
+            "request_router_class": PREFIX_ROUTER,
+            "request_router_kwargs": {"block_size": schedule.cacheBlockSize},
+            "request_routing_stats_period_s": 2,
+        })  # fmt: skip
     if options.get("num_replicas") == "auto" or options.get("autoscaling_config"):
         # a replica runs maxBatchSize requests at once and queues the rest in its engine: scale
         # out when replicas hold more than that on average (Ray Serve's own default, 2, would

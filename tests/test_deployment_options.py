@@ -242,3 +242,26 @@ def test_only_the_ingress_writes_an_access_log_line_per_request_by_default():
     assert ingress_options(config)["logging_config"] == {"encoding": "JSON"}
     with pytest.raises(ConfigError, match=r"unknown logging_config key.*access_log"):
         load_config({"Deployments": {"Ingress": {"logging_config": {"access_log": False}}}})
+
+
+def test_model_and_prefill_replicas_are_routed_by_prefix_by_default():
+    from serve_app.deployment_options import PREFIX_ROUTER
+
+    config = load_config({"BackendConfig": {"ScheduleConfig": {"cacheBlockSize": 32}}})
+    for role in ("colocated", "prefill"):
+        router = model_replica_options(config, 0, {"CPU": 2}, role)["request_router_config"]
+        assert router["request_router_class"] == PREFIX_ROUTER
+        assert router["request_router_kwargs"] == {"block_size": 32}
+    assert "request_router_config" not in model_replica_options(config, 0, {"CPU": 2}, "decode")
+    off = load_config({"BackendConfig": {"ScheduleConfig": {"enablePrefixCaching": False}}})
+    assert "request_router_config" not in model_replica_options(off, 0, {"CPU": 2})
+    # Ray Serve's own router where a user names it
+    default = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+    mine = load_config({"Deployments": {"ModelReplica": {
+        "request_router_config": {"request_router_class": default}}}})  # fmt: skip
+    assert model_replica_options(mine, 0, {"CPU": 2})["request_router_config"] == {
+        "request_router_class": default
+    }
+    from serve_app.routing import prefix_router  # the import path Ray Serve resolves
+
+    assert PREFIX_ROUTER == f"{prefix_router.__name__}:{prefix_router.PrefixAwareRouter.__name__}"

@@ -119,7 +119,9 @@ class DeploymentOptions(Section):
         description=(
             "Ray Serve's request router of the deployment's handles: request_router_class (an "
             "import path), request_router_kwargs, request_routing_stats_period_s, "
-            "request_routing_stats_timeout_s."
+            "request_routing_stats_timeout_s. Model and prefill replicas default to the "
+            "prefix-aware router (serve_app.routing.prefix_router:PrefixAwareRouter) while "
+            "enablePrefixCaching is on."
         ),
         json_schema_extra=acts(),
     )

@@ -25,17 +25,12 @@ from serve_app.disagg.handoff import KV_LOSS_POLICIES, Handoff, HandoffFailed, f
 from serve_app.engine.host.async_engine import AsyncEngine
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
-from serve_app.messages import (
-    DecodeRequest,
-    ErrorKind,
-    PrefillResult,
-    ReplicaChunk,
-    ReplicaRequest,
-)
+from serve_app.messages import DecodeRequest, ErrorKind, PrefillResult, ReplicaChunk, ReplicaRequest
 from serve_app.placement import AUTO, bind_process, node_cores
 from serve_app.replica.output_processor import OutputProcessor
 from serve_app.replica.ranks import start_engine
 from serve_app.replica.relay import RayStream, Relay, Sink
+from serve_app.routing.prefix_index import ROUTING_STATS_KEY, RecentBlocks
 from serve_app.token_socket.outbox import TokenOutbox, ray_node_id
 from serve_app.tokenizer.limits import TokenLimits
 
@@ -83,6 +78,7 @@ class ModelReplica:
         self.replica_id = uuid.uuid4().hex[:12]
         self.engine: AsyncEngine | None = None  # set last: __del__ may see a failed __init__
         self.outbox = TokenOutbox(ray_node_id())  # links to ingress token sockets on this node
+        self.recent = RecentBlocks(engine_config.block_size)  # for the prefix-aware routers
         # print, not log: Ray forwards replica stdout to `serve run`, so users see the progress
         print(
             f"model replica {self.replica_id} ({role}): loading {engine_config.model!r} ...",
@@ -110,6 +106,7 @@ class ModelReplica:
         request failed, `error` and `error_kind`. Closing this generator early (client gone)
         aborts the engine request and frees its KV blocks.
         """
+        self.recent.add(req.prompt_token_ids)
         request = EngineRequest(
             req.request_id, list(req.prompt_token_ids), req.params, req.priority, _deadline(req)
         )
@@ -125,14 +122,11 @@ class ModelReplica:
         replica's blocks are already free. Cancelling this coroutine (client gone) aborts the
         engine request and frees its blocks.
         """
+        self.recent.add(req.prompt_token_ids)
         request = EngineRequest(
-            req.request_id,
-            list(req.prompt_token_ids),
-            req.params,
-            req.priority,
-            _deadline(req),
+            req.request_id, list(req.prompt_token_ids), req.params, req.priority, _deadline(req),
             export_kv=True,
-        )
+        )  # fmt: skip
         processor = OutputProcessor(req, self.tokenizer)
         output, error = None, None
         try:
@@ -255,6 +249,9 @@ class ModelReplica:
             "role": self.role,
             "num_kv_lost": self.num_kv_lost,
         }
+
+    def record_routing_stats(self) -> dict:
+        return {ROUTING_STATS_KEY: self.recent.snapshot()}  # (Ray Serve asks; routing/)
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine loop died, or whose step hangs (no
