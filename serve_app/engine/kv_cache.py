@@ -54,7 +54,8 @@ class KVCacheManager:
         if seq.block_table or not self.pool.enable_prefix_caching:
             return
         size, parent = self.block_size, None
-        for i in range((seq.num_tokens - 1) // size):
+        blocks = (seq.num_tokens - 1) // size
+        for i in range(blocks):
             key = self.pool.key_of(parent, seq.token_ids[i * size : (i + 1) * size])
             block = self.pool.lookup(key)
             if block is None:
@@ -63,6 +64,9 @@ class KVCacheManager:
             seq.block_table.append(block)
             seq.block_keys.append(key)
             parent = key
+        # the blocks after the first miss are misses too (not looked up): queries count every
+        # full block of the prompt, so hits / queries is the share of the prompt reused
+        self.pool.num_cache_queries += max(0, blocks - len(seq.block_table) - 1)
         seq.num_computed_tokens = len(seq.block_table) * size
 
     def commit(self, seq: Sequence) -> None:

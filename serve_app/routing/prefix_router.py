@@ -47,7 +47,7 @@ def prompt_of(pending_request: PendingRequest | None) -> list[int] | None:
 
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(
-        self, block_size: int = 16, imbalance: int = 8, capacity_blocks: int = 200_000
+        self, block_size: int = 16, imbalance: int = 2, capacity_blocks: int = 200_000
     ) -> None:
         self.index = PrefixIndex(block_size, capacity_blocks)
         self.imbalance = imbalance

@@ -74,6 +74,9 @@ def test_prefix_cache_reuses_full_blocks_and_keeps_the_last_token_to_compute():
     kv.match_prefix(other)
     assert other.num_computed_tokens == 0
     assert kv.pool.num_cache_hits == 5
+    # every full block of every prompt is a query, whether or not an earlier one missed: the
+    # hit rate is the share of the prompts' blocks reused (3 + 2 of 3 + 2 + 2)
+    assert kv.pool.num_cache_queries == 7
 
 
 def first_blocks(kv, n):
