@@ -30,6 +30,7 @@ from serve_app.placement import AUTO, bind_process, node_cores
 from serve_app.replica.output_processor import OutputProcessor
 from serve_app.replica.ranks import start_engine
 from serve_app.replica.relay import RayStream, Relay, Sink
+from serve_app.replica.replica_metrics import ReplicaMetrics
 from serve_app.routing.prefix_index import ROUTING_STATS_KEY, RecentBlocks
 from serve_app.token_socket.outbox import TokenOutbox, ray_node_id
 from serve_app.tokenizer.limits import TokenLimits
@@ -86,6 +87,7 @@ class ModelReplica:
         )
         start = time.monotonic()
         self.engine, self.ranks = start_engine(engine_config)  # worldSize > 1: ranks as actors
+        self.metrics = ReplicaMetrics(self.model_name, role, self.engine.stats)  # per replica
         self.tokenizer = self.engine.tokenizer
         info = self.engine.info
         where = "its own process" if engine_config.engine_process else "a thread"
@@ -278,8 +280,9 @@ class ModelReplica:
         }
 
     def shutdown(self) -> None:
-        if getattr(self, "outbox", None) is not None:
-            self.outbox.close()
+        for part in (getattr(self, "outbox", None), getattr(self, "metrics", None)):
+            if part is not None:
+                part.close()
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()

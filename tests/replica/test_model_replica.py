@@ -665,3 +665,17 @@ def test_tokens_held_by_stream_interval_come_before_an_engine_failure(
     assert error.finished and error.error_kind == "engine" and not error.choices
     replica.engine.abort(req.request_id)  # the engine itself never failed: end its request
     wait_idle(replica, timeout=10)
+
+
+def test_the_replica_records_its_engine_figures_and_reports_what_it_was_sent(replica, prompt):
+    """Its engine's stats carry every figure its Ray metrics record (a missing key would
+    record 0 forever), and its routing stats name the blocks of the prompts it was sent."""
+    from serve_app.replica.replica_metrics import COUNTERS, GAUGES
+    from serve_app.routing.prefix_index import ROUTING_STATS_KEY, block_hashes
+
+    stats = replica.engine.stats()
+    assert {key for _, key, _ in GAUGES + COUNTERS} <= set(stats)
+    replica.metrics.record()
+    collect(replica, request(prompt * 4, greedy(2)))
+    reported = replica.record_routing_stats()[ROUTING_STATS_KEY]
+    assert set(block_hashes(prompt * 4, 16)) <= set(reported)
