@@ -44,7 +44,7 @@ class ReplicaMetrics:
         self._gauges = [(Gauge(n, h, tag_keys=tuple(tags)), k) for n, k, h in GAUGES]
         self._counters = [(Counter(n, h, tag_keys=tuple(tags)), k) for n, k, h in COUNTERS]
         for metric, _ in self._gauges + self._counters:
-            metric.set_default_tags(tags)
+            metric.set_default_tags(dict(tags))  # (Ray Serve adds its own tags to the dict)
         self._last: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-metrics", daemon=True)

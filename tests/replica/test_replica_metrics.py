@@ -51,3 +51,19 @@ def test_gauges_and_counter_increments_per_replica(recorded):
     assert recorded["serve_app_kv_cache_usage"].values == [0.5, 0.5]
     assert recorded["serve_app_prefix_cache_hits"].values == [10, 4]  # increments
     assert recorded["serve_app_preemptions"].values == []  # nothing to add
+
+
+def test_ray_serves_own_metrics_take_the_tags_inside_a_replica(monkeypatch):
+    """With the replica context Ray Serve sets in a replica (which adds its application,
+    deployment and replica tags to each metric's): every metric is made and records."""
+    from types import SimpleNamespace
+
+    from ray.serve import context
+
+    replica = SimpleNamespace(deployment="ModelReplica", replica_tag="abc", app_name="serve_app")
+    monkeypatch.setattr(context, "_get_internal_replica_context", lambda: replica)
+    monkeypatch.setattr(replica_metrics, "PERIOD_S", 3600)
+    metrics = ReplicaMetrics("demo", "colocated", lambda: {"num_running": 1, "num_steps": 2})
+    metrics.record()
+    metrics.close()
+    assert all(g._default_tags["replica"] == "abc" for g, _ in metrics._gauges)
