@@ -6,8 +6,8 @@ growing context) is prefilled only past the shared part on the replica that serv
 one. Ray Serve's default router (power of two choices) ignores that; this one, set as the model
 deployments' `request_router_config`, remembers which replica each prompt went to (by KV block,
 prefix_index.py) and ranks the replicas holding the longest prefix of a new prompt first, two
-random others after: Ray Serve sends the request to the least loaded replica of the first rank that has
-room, so a full replica is passed over. Where the replicas holding the prefix are busier than the
+random others after: Ray Serve sends the request to the least loaded replica of the first rank
+that has room, so a full replica is passed over. Where the replicas holding the prefix are busier than the
 least loaded replica by more than `imbalance` requests, or nothing matches, it falls back to two
 random choices, as the default does.
 
