@@ -7,9 +7,9 @@ one. Ray Serve's default router (power of two choices) ignores that; this one, s
 deployments' `request_router_config`, remembers which replica each prompt went to (by KV block,
 prefix_index.py) and ranks the replicas holding the longest prefix of a new prompt first, two
 random others after: Ray Serve sends the request to the least loaded replica of the first rank
-that has room, so a full replica is passed over. Where the replicas holding the prefix are busier than the
-least loaded replica by more than `imbalance` requests, or nothing matches, it falls back to two
-random choices, as the default does.
+that has room, so a full replica is passed over. Where the replicas holding the prefix are
+busier than the least loaded replica by more than `imbalance` requests, or nothing matches, it
+falls back to two random choices, as the default does.
 
 Each handle (each ingress replica) keeps its own index of what it sent where, and learns what
 the other ingress replicas sent from the model replicas themselves: each reports the blocks of
