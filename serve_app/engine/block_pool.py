@@ -24,7 +24,7 @@ class BlockPool:
         # Free blocks in eviction order: the front is handed out first.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.num_cache_hits = 0  # blocks reused from the prefix cache
-        self.num_cache_queries = 0
+        self.num_cache_queries = 0  # prompt blocks that could have been reused (kv_cache.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,7 +78,6 @@ class BlockPool:
         self.cached.setdefault(key, block)
 
     def lookup(self, key: tuple) -> int | None:
-        self.num_cache_queries += 1
         block = self.cached.get(key) if self.enable_prefix_caching else None
         if block is not None:
             self.num_cache_hits += 1

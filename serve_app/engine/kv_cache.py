@@ -64,9 +64,9 @@ class KVCacheManager:
             seq.block_table.append(block)
             seq.block_keys.append(key)
             parent = key
-        # the blocks after the first miss are misses too (not looked up): queries count every
-        # full block of the prompt, so hits / queries is the share of the prompt reused
-        self.pool.num_cache_queries += max(0, blocks - len(seq.block_table) - 1)
+        # every full block of the prompt is a query, those after the first miss too (not looked
+        # up): hits / queries is the share of the prompt reused
+        self.pool.num_cache_queries += blocks
         seq.num_computed_tokens = len(seq.block_table) * size
 
     def commit(self, seq: Sequence) -> None:
