@@ -106,7 +106,10 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         replica reports it was sent (through any ingress)."""
         before = set(self.curr_replicas)
         super().update_replicas(replicas)
-        self.index.drop(before - set(self.curr_replicas))
+        gone = before - set(self.curr_replicas)
+        self.index.drop(gone)
+        for replica_id in gone:
+            self._reported.pop(replica_id, None)
         self.learn(replicas)
 
     def learn(self, replicas: list[RunningReplica]) -> None:
