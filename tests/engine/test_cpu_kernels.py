@@ -346,3 +346,11 @@ def test_the_cpu_kv_cache_is_zeros_on_huge_pages():
         for cache in (k, v):
             assert cache.shape[0] == 64 and not cache.any()
             assert cache.data_ptr() % (1 << 21) == 0  # zeros_on_huge_pages' memory
+
+
+def test_the_sources_compile_as_one_unit(tmp_path):
+    """One translation unit includes every source, in order (each source compiled apart parsed
+    the same ATen headers again)."""
+    unit = cpu_kernels._one_unit(tmp_path)
+    assert unit.parent == tmp_path
+    assert unit.read_text().splitlines() == [f'#include "{s}"' for s in cpu_kernels.SOURCES]
