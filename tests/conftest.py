@@ -33,11 +33,13 @@ RAY_UNITS = {
     "tests/disagg/test_connector.py": "ray",
 }
 RAY_TESTS = tuple(RAY_UNITS)
-# The "ray" unit's files in this order (the others after them): the connector's local Ray before
-# the serve tests' cluster starts; test_faults.py breaks the app that test_serve_app.py deployed
-# and leaves running for it (one deploy for both).
+# The "ray" unit's files in this order (the others after them): test_faults.py breaks the app
+# that test_serve_app.py deployed and leaves running for it (one deploy for both); the connector
+# then uses the serve tests' cluster (started in this process) rather than a Ray of its own;
+# test_world_size.py tests the app test_real_model.py deployed (SmolLM2 and the split demo).
 RAY_ORDER = (
-    "tests/disagg/test_connector.py", "tests/serve/test_serve_app.py", "tests/serve/test_faults.py",
+    "tests/serve/test_serve_app.py", "tests/serve/test_faults.py", "tests/disagg/test_connector.py",
+    "tests/serve/test_real_model.py", "tests/serve/test_world_size.py",
 )  # fmt: skip
 # The heaviest test files without Ray (model parity on whole models, engine processes, the
 # benches' own servers): left out of `make test-fast` with RAY_TESTS (marker `slow`).

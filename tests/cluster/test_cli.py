@@ -162,9 +162,14 @@ def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
     try:
         try:
             deadline = time.monotonic() + 120
+            # the dashboard answers HTTP before `serve deploy` can talk to it (each try of the
+            # command costs a process start, seconds of CPU, while the cluster is starting)
+            while _get(f"{dashboard}/api/version") == 0:
+                assert time.monotonic() < deadline and head.poll() is None, "no dashboard"
+                time.sleep(0.5)
             while (deployed := serve("deploy", str(config))).returncode != 0:
                 assert time.monotonic() < deadline and head.poll() is None, deployed.stderr[-2000:]
-                time.sleep(2)  # the dashboard is still starting
+                time.sleep(2)  # the dashboard is still starting its Serve module
             _wait_ready(base)
             status = serve("status")
             assert status.returncode == 0 and "RUNNING" in status.stdout, status.stderr[-2000:]

@@ -46,10 +46,10 @@ def test_unknown_connector_is_named():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """Ray in this process: the one already initialised here if any (e.g. the serve tests'
-    session cluster; it is left running), else a local instance of its own (address "local":
-    never another cluster on this machine), shut down after this module, before
-    tests/serve/conftest.py starts its cluster."""
+    """Ray in this process: the one already initialised here if any (in the whole suite, the
+    serve tests' session cluster: tests/conftest.py runs this module after the first serve
+    modules; it is left running), else a local instance of its own (address "local": never
+    another cluster on this machine), shut down after this module."""
     import ray
 
     if ray.is_initialized():

@@ -113,6 +113,20 @@ SERVE_LONG_ARGS["BackendConfig"]["tokenizerProcessNumber"] = 2
 SERVE_LONG_ARGS["Deployments"] = {"ModelReplica": {"health_check_period_s": 1}}
 PD_LONG_ARGS = _long(PD_ARGS)
 
+# One app for test_real_model.py and test_world_size.py (one deploy for both, in that order:
+# tests/conftest.py RAY_ORDER): the built-in SmolLM2 as a user gets it, the demo split over two
+# ranks ("demo") and the same weights on one ("one"), both float32 so that log-probabilities
+# compare closely; each model's engine in a process of its own, as deployments.yaml has it.
+SMOLLM2 = "smollm2-135m-instruct"
+MODELS_ARGS = copy.deepcopy(SERVE_LONG_ARGS)
+MODELS_ARGS.pop("EmbeddingConfig")  # not tested there: one replica less to start
+MODELS_ARGS["BackendConfig"]["tokenizerProcessNumber"] = 1
+MODELS_ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
+    {"modelName": SMOLLM2, "modelWeightPath": SMOLLM2, "engineProcess": True},
+    *({"modelName": name, "modelWeightPath": "demo-tiny", "engineProcess": True, "device": "cpu",
+       "dtype": "float32", "worldSize": world} for name, world in (("demo", 2), ("one", 1))),
+]  # fmt: skip
+
 
 def seconds_per_token(url: str, num_tokens: int = 128) -> float:
     """What an unaborted greedy request costs per token on the app at url: a /infer stream of

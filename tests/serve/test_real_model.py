@@ -3,13 +3,12 @@ expects, through each API family, with its own chat template and end-of-turn tok
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
-from serve_helpers import SERVE_TEST_ARGS, deploy
+from serve_helpers import MODELS_ARGS, SMOLLM2, deploy
 
-MODEL = "smollm2-135m-instruct"
+MODEL = SMOLLM2
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 # Chat samples at temperature 1 by default and its range excludes 0: top_k 1 decodes greedily.
 GREEDY = {"extra_body": {"top_k": 1}}
@@ -17,14 +16,8 @@ GREEDY = {"extra_body": {"top_k": 1}}
 
 @pytest.fixture(scope="module")
 def server(cluster):
-    from ray import serve
-
-    args = copy.deepcopy(SERVE_TEST_ARGS)
-    args.pop("EmbeddingConfig")  # not tested here: one replica less to start
-    model = {"modelName": MODEL, "modelWeightPath": MODEL, "engineProcess": True}
-    args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [model]
-    yield deploy(cluster, args)
-    serve.delete("serve_app")
+    """The app test_world_size.py tests next (left running for it): SmolLM2 among its models."""
+    return deploy(cluster, MODELS_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,14 @@ import pytest
 from serve_helpers import (
     BACK_WITHIN_S,
     ERROR_WITHIN_S,
-    SERVE_LONG_ARGS,
+    MODELS_ARGS,
     actors,
     deploy,
     serves_again,
     stream_until_fault,
 )
 
-ARGS = copy.deepcopy(SERVE_LONG_ARGS)
-ARGS.pop("EmbeddingConfig")
-ARGS["BackendConfig"]["tokenizerProcessNumber"] = 1
-ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
-    # "demo" over two ranks (its engine in a process of its own, as deployments.yaml has it),
-    # "one" the same weights on one; float32, so that log-probabilities compare closely
-    {"modelName": name, "modelWeightPath": "demo-tiny", "engineProcess": True, "device": "cpu",
-     "dtype": "float32", "worldSize": world}
-    for name, world in (("demo", 2), ("one", 1))
-]  # fmt: skip
+ARGS = MODELS_ARGS  # "demo" over two ranks, "one" the same weights on one (and SmolLM2)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +106,8 @@ def test_pd_with_the_prefill_and_the_decode_each_over_two_ranks(cluster, http):
     expected = [http.post("/v1/completions", json={**body, "prompt": p}).json() for p in prompts]
     args = copy.deepcopy(ARGS)
     args["ServerConfig"] = {**args["ServerConfig"], "inferMode": "dmi"}
-    (model,) = args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][1:]  # the "one" entry
+    (model,) = [m for m in args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
+                if m["modelName"] == "one"]  # fmt: skip
     model.update(modelName="demo", worldSize=2)  # prefill and decode alike
     args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [model]
     # half a core for each rank: the test cluster's nodes have two
