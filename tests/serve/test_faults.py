@@ -83,7 +83,11 @@ def test_ready_is_503_while_a_model_replica_cannot_be_placed_then_200(cluster):
     from serve_app.app import build_app
 
     args = copy.deepcopy(SERVE_LONG_ARGS)
-    args.pop("EmbeddingConfig")  # not needed to show readiness: one replica less to start
+    # what readiness needs, no more: no embedding replica, one tokenizer replica, the engine on
+    # the model replica's thread (fewer processes to start)
+    args.pop("EmbeddingConfig")
+    args["BackendConfig"]["tokenizerProcessNumber"] = 1
+    args["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["engineProcess"] = False
     args["Deployments"]["ModelReplica"]["ray_actor_options"] = {"resources": {"LATE": 1}}
     # no replica of an earlier app may serve meanwhile (an update keeps the old replica
     # running until the new one is up): the app starts from nothing
