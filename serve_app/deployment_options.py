@@ -27,6 +27,8 @@ from typing import Any
 
 from serve_app.config import AppConfig
 from serve_app.config.deployments import DeploymentOptions
+from serve_app.placement import AUTO
+from serve_app.replica_cpus import auto_num_cpus, is_auto, replicas_of
 
 
 def detect_accelerator(cluster_resources: dict | None = None) -> str:
@@ -111,7 +113,7 @@ def model_replica_options(
     device = model.device
     if device == "auto":
         device = detect_accelerator(cluster_resources)
-    actor: dict[str, Any] = {"num_cpus": 1}
+    actor: dict[str, Any] = {"num_cpus": AUTO}
     if device == "npu":
         actor["resources"] = {"NPU": 1}
     elif device == "cuda":
@@ -132,6 +134,11 @@ def model_replica_options(
     }[role]
     options = _merge(defaults, user)
     world = model.world_size(role)
+    if is_auto(options["ray_actor_options"]):
+        # (given resources describe the node; else the live cluster's nodes are asked)
+        nodes = [cluster_resources] if cluster_resources is not None else None
+        ranks = _cpu_ranks(config, cluster_resources)
+        options["ray_actor_options"]["num_cpus"] = auto_num_cpus(device, world, ranks, nodes)
     if world > 1 and "placement_group_bundles" not in options:
         # rank 0 is the replica (bundle 0), ranks 1.. are actors in the other bundles
         if "max_replicas_per_node" in options:
@@ -170,6 +177,24 @@ def model_replica_options(
         )
         options["autoscaling_config"] = scaling
     return options
+
+
+def _cpu_ranks(config: AppConfig, cluster_resources: dict | None) -> int:
+    """The ranks of the app's model replicas on CPU, all deployments together (num_cpus auto
+    splits a node's CPUs among them)."""
+    roles = ("prefill", "decode") if config.pd_mode else ("colocated",)
+    user = {"colocated": config.Deployments.ModelReplica, "prefill": config.Deployments.Prefill,
+            "decode": config.Deployments.Decode}  # fmt: skip
+    ranks = 0
+    for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
+        device = model.device
+        if device == "auto":
+            device = detect_accelerator(cluster_resources)
+        if device == "cpu":
+            for role in roles:
+                replicas = replicas_of({"num_replicas": 1, **user[role].serve_options()})
+                ranks += replicas * model.world_size(role)
+    return ranks
 
 
 def _most_per_node(resource: str) -> float | None:

@@ -46,8 +46,13 @@ def auto_cores(cores: Iterable[int] | None = None) -> tuple[tuple[int, ...], tup
     ordered = sorted(node_cores() if cores is None else cores)
     if len(ordered) < 2:
         return (), ()
-    keep = max(1, len(ordered) // 8)
+    keep = kept_for_serving(len(ordered))
     return tuple(ordered[keep:]), tuple(ordered[:keep])
+
+
+def kept_for_serving(n: int) -> int:
+    """Of a node's n cores, how many `auto` keeps for the serving path (the rest: the engine)."""
+    return max(1, n // 8)
 
 
 def resolve_cpus(text: str, spare: bool = False) -> tuple[int, ...]:

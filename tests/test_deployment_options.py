@@ -24,9 +24,10 @@ def test_unknown_keys_are_named_with_a_suggestion():
 @pytest.mark.parametrize(
     "resources, device, expect",
     [
-        ({"NPU": 8, "CPU": 64}, "auto", {"num_cpus": 1, "resources": {"NPU": 1}}),
-        ({"GPU": 4}, "auto", {"num_cpus": 1, "num_gpus": 1}),
-        ({"CPU": 2}, "auto", {"num_cpus": 1}),
+        # num_cpus auto: of 64 CPUs 8 kept for serving, the rest split among 8 NPU ranks
+        ({"NPU": 8, "CPU": 64}, "auto", {"num_cpus": 7, "resources": {"NPU": 1}}),
+        ({"GPU": 4}, "auto", {"num_cpus": 1, "num_gpus": 1}),  # (no CPUs: nothing to size)
+        ({"CPU": 2}, "auto", {"num_cpus": 0.5}),  # 1 CPU kept, 1 for the two CPU ranks
         ({"CPU": 2}, "npu", {"num_cpus": 1, "resources": {"NPU": 1}}),
         ({"NPU": 8}, "cpu", {"num_cpus": 1}),
     ],
@@ -46,7 +47,7 @@ def test_model_replicas_ask_for_their_accelerator(resources, device, expect):
     options = model_replica_options(config, 0, resources)
     actor = options["ray_actor_options"]
     assert actor == {**expect, "runtime_env": {"env_vars": SERVE_FAST_PATH_ENV}}
-    bundle = {"CPU": 1, **expect.get("resources", {})}
+    bundle = {"CPU": expect["num_cpus"], **expect.get("resources", {})}
     if "num_gpus" in expect:
         bundle["GPU"] = 1
     assert options["placement_group_bundles"] == [bundle, bundle]
@@ -265,3 +266,100 @@ def test_model_and_prefill_replicas_are_routed_by_prefix_by_default():
     from serve_app.routing import prefix_router  # the import path Ray Serve resolves
 
     assert PREFIX_ROUTER == f"{prefix_router.__name__}:{prefix_router.PrefixAwareRouter.__name__}"
+
+
+# -- num_cpus auto ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cpus, ranks, expect",
+    [(1, 1, 1), (2, 1, 1), (4, 1, 3), (16, 1, 14), (16, 2, 7), (192, 8, 21), (2, 2, 0.5),
+     (2, 8, 0.25)],
+)  # fmt: skip
+def test_auto_leaves_the_serving_path_its_cores_and_splits_the_rest(cpus, ranks, expect):
+    from serve_app.replica_cpus import share
+
+    assert share(cpus, ranks) == expect
+
+
+def _models(*models: dict, **deployments) -> object:
+    return load_config({
+        "BackendConfig": {"ModelDeployConfig": {"ModelConfig": list(models)}},
+        "Deployments": deployments,
+    })  # fmt: skip
+
+
+def test_auto_sizes_model_replicas_to_the_node_and_explicit_values_win():
+    one = {"modelName": "a", "modelWeightPath": "demo", "device": "cpu"}
+    two = {**one, "modelName": "b"}
+    sixteen = {"CPU": 16}
+
+    def cpus(config, index=0, resources=sixteen, role="colocated"):
+        return model_replica_options(config, index, resources, role)["ray_actor_options"][
+            "num_cpus"
+        ]
+
+    assert cpus(_models(one)) == 14  # most of a 16-core node
+    assert cpus(_models(one), resources={"CPU": 2}) == 1  # as before on 2 cores
+    # two CPU models, or two replicas of one, share the node
+    assert cpus(_models(one, two)) == cpus(_models(one, two), 1) == 7
+    assert cpus(_models(one, ModelReplica={"num_replicas": 2})) == 7
+    scaled = {"num_replicas": "auto", "autoscaling_config": {"max_replicas": 4}}
+    assert cpus(_models(one, ModelReplica=scaled)) == 3.5
+    # a model on the NPU does not count among the CPU ones: its node's NPUs share that node
+    npu = {**two, "device": "npu"}
+    assert cpus(_models(one, npu)) == 14
+    assert cpus(_models(one, npu), 1, {"CPU": 64, "NPU": 8}) == 7
+    # PD on CPU: the prefill and the decode replicas share the node
+    pd = load_config({
+        "ServerConfig": {"inferMode": "dmi"},
+        "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [one]}},
+    })  # fmt: skip
+    assert cpus(pd, role="prefill") == cpus(pd, role="decode") == 7
+    # explicit values are kept as given
+    for given in (0, 0.5, 3):
+        actor = {"ray_actor_options": {"num_cpus": given}}
+        assert cpus(_models(one, ModelReplica=actor)) == given
+    assert cpus(_models(one, ModelReplica={"ray_actor_options": {"num_cpus": "auto"}})) == 14
+
+
+def test_auto_asks_the_live_cluster_for_its_smallest_node_that_fits(monkeypatch):
+    from serve_app import replica_cpus
+
+    nodes = [{"CPU": 8}, {"CPU": 32, "NPU": 8}, {"CPU": 16, "NPU": 8}, {"CPU": 0, "NPU": 4}]
+    monkeypatch.setattr(replica_cpus, "_nodes", lambda: nodes)
+    npu = _models({"modelWeightPath": "demo", "device": "npu", "worldSize": 2})
+    # the 16-CPU node of 8 NPUs: 2 kept, 14 over 8 ranks
+    options = model_replica_options(npu, 0)
+    assert options["ray_actor_options"]["num_cpus"] == 1.75
+    assert options["placement_group_bundles"] == [{"CPU": 1.75, "NPU": 1}] * 2
+    # CPU models spread over the three nodes with CPUs: one rank a node, the 8-CPU one smallest
+    cpu = _models(*({"modelName": m, "modelWeightPath": "demo", "device": "cpu"} for m in "abc"))
+    assert model_replica_options(cpu, 0)["ray_actor_options"]["num_cpus"] == 7
+
+
+def test_num_cpus_auto_is_for_model_replicas_and_other_values_are_refused():
+    for name in ("Ingress", "TokenizerPool", "EmbeddingReplica"):
+        with pytest.raises(ConfigError, match=rf"Deployments.{name}.* model replicas"):
+            load_config({"Deployments": {name: {"ray_actor_options": {"num_cpus": "auto"}}}})
+    for bad in (-1, "many", True):
+        with pytest.raises(ConfigError, match="num_cpus must be a number >= 0 or 'auto'"):
+            load_config({"Deployments": {"Decode": {"ray_actor_options": {"num_cpus": bad}}}})
+
+
+def test_the_ready_line_says_the_node_size_and_the_cpus_ray_reserved(monkeypatch):
+    import ray
+
+    from serve_app.replica_cpus import node_cores, sizing_note
+
+    assert sizing_note(False) == ""  # outside Ray, nothing auto: nothing to say
+    assert sizing_note(True) == f" (auto-sized to a {len(node_cores())}-core node)"
+
+    class Context:
+        def get_assigned_resources(self):
+            return {"CPU": 14.0, "NPU": 1.0}
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    assert sizing_note(False) == " (14 CPUs reserved from Ray)"
+    assert sizing_note(True).endswith("-core node; 14 CPUs reserved from Ray)")

@@ -20,6 +20,12 @@ _LOGGING_KEYS = (
 _KNOWN_KEYS = {"ray_actor_options": _ACTOR_KEYS, "logging_config": _LOGGING_KEYS}
 
 
+def _cpu_count(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() == "auto"
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
 class DeploymentOptions(Section):
     """(extension) Ray Serve options of one deployment; unset keys keep our defaults."""
 
@@ -129,7 +135,11 @@ class DeploymentOptions(Section):
         None,
         description=(
             "Ray actor options: num_cpus, num_gpus, memory, resources (e.g. {NPU: 1}), "
-            "accelerator_type, runtime_env. Merged over the options derived from the device."
+            "accelerator_type, runtime_env. Merged over the options derived from the device. "
+            "Model replica deployments (ModelReplica, Prefill, Decode) default to num_cpus "
+            "'auto': sized to the node when the app is built (of n CPUs the serving path keeps "
+            "max(1, n // 8), the model ranks sharing the node split the rest: 1 on 2 cores, 14 "
+            "on 16); the other deployments take numbers only."
         ),
         json_schema_extra=acts(),
     )
@@ -161,6 +171,9 @@ class DeploymentOptions(Section):
             raise ValueError(
                 f"unknown {info.field_name} key(s) {', '.join(unknown)}; known: {', '.join(known)}"
             )
+        cpus = (value or {}).get("num_cpus") if info.field_name == "ray_actor_options" else None
+        if cpus is not None and not _cpu_count(cpus):
+            raise ValueError(f"num_cpus must be a number >= 0 or 'auto', got {cpus!r}")
         return value
 
     @model_validator(mode="after")
@@ -187,6 +200,17 @@ class DeploymentOptions(Section):
 class Deployments(Section):
     """(extension) Per-deployment Ray Serve options, by deployment name."""
 
+    @model_validator(mode="after")
+    def _auto_cpus_on_model_replicas(self) -> Deployments:
+        for name in ("Ingress", "TokenizerPool", "EmbeddingReplica"):
+            actor = getattr(self, name).ray_actor_options or {}
+            if isinstance(actor.get("num_cpus"), str):
+                raise ValueError(
+                    f"Deployments.{name}.ray_actor_options.num_cpus: 'auto' sizes model replicas "
+                    "(ModelReplica, Prefill, Decode) only; give a number of CPUs"
+                )
+        return self
+
     Ingress: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
         description=(
@@ -208,8 +232,9 @@ class Deployments(Section):
     ModelReplica: DeploymentOptions = Field(
         default_factory=DeploymentOptions,
         description=(
-            "Model replicas (one deployment per served model). Defaults: 1 replica; the "
-            "accelerator from ModelConfig.device and worldSize (NPU resource, num_gpus or CPU)."
+            "Model replicas (one deployment per served model). Defaults: 1 replica, num_cpus "
+            "'auto' (sized to the node); the accelerator from ModelConfig.device and worldSize "
+            "(NPU resource, num_gpus or CPU)."
         ),
         json_schema_extra=acts(),
     )

@@ -76,7 +76,7 @@ applications:
       EmbeddingConfig:
         - {endpointName: all-minilm-l6-v2, modelWeightPath: all-minilm-l6-v2}
       Deployments:
-        ModelReplica: {num_replicas: 1, ray_actor_options: {num_cpus: 1}}
+        ModelReplica: {num_replicas: 1, ray_actor_options: {num_cpus: auto}}
 ```
 
 The shipped files: `deployments.yaml` (SmolLM2 and the embedding endpoint on one machine,

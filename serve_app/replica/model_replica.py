@@ -26,11 +26,12 @@ from serve_app.engine.host.async_engine import AsyncEngine
 from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.messages import DecodeRequest, ErrorKind, PrefillResult, ReplicaChunk, ReplicaRequest
-from serve_app.placement import AUTO, bind_process, node_cores
+from serve_app.placement import AUTO, bind_process
 from serve_app.replica.output_processor import OutputProcessor
 from serve_app.replica.ranks import start_engine
 from serve_app.replica.relay import RayStream, Relay, Sink
 from serve_app.replica.replica_metrics import ReplicaMetrics
+from serve_app.replica_cpus import sizing_note
 from serve_app.routing.prefix_index import ROUTING_STATS_KEY, RecentBlocks
 from serve_app.token_socket.outbox import TokenOutbox, ray_node_id
 from serve_app.tokenizer.limits import TokenLimits
@@ -92,8 +93,7 @@ class ModelReplica:
         info = self.engine.info
         where = "its own process" if engine_config.engine_process else "a thread"
         model = app_config.BackendConfig.ModelDeployConfig.ModelConfig[model_index]
-        if AUTO in (model.engineCpus, model.engineSpareCpus):  # the choice auto made here
-            where += f" (auto-sized to a {len(node_cores())}-core node)"
+        where += sizing_note(AUTO in (model.engineCpus, model.engineSpareCpus))
         print(
             f"model replica {self.replica_id}: {self.model_name!r} ready on {info.device} "
             f"({info.dtype}, {info.num_blocks} KV blocks, {info.num_threads} torch threads, "

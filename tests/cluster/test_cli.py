@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -254,6 +255,8 @@ def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp
     process, log, marker = _serve_command(config, tmp_path, "sigint")
     try:
         _wait_ready_line(process, log, base)
+        # the model replica's ready line says what num_cpus auto reserved for it
+        assert re.search(r"ready on .*\d CPUs? reserved from Ray", log.read_text()), _tail(log)
         model = "smollm2-135m-instruct"
         chat = _post(f"{base}/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": "What is the capital of "
