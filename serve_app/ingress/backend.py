@@ -96,8 +96,14 @@ class _Targets:
         held, cancel = self._hold(key)
 
         async def relay() -> None:
-            if await held:
-                event.set()
+            try:
+                if await held:
+                    event.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (e.g. Ray Serve cancelled the hold with
+                # its request when the client left): nothing more can stop this request
+                logger.debug("stop watch for %s ended: %r", key, exc)
 
         task = asyncio.ensure_future(relay())
 

@@ -102,3 +102,34 @@ def test_the_registry_forgets_an_id_whose_request_ended():
         return registry.stop("y")
 
     assert asyncio.run(scenario()) is False
+
+
+def test_a_hold_that_fails_ends_its_watch_quietly():
+    """Ray Serve cancels the registry hold with its request when the client leaves: the watch
+    ends there, with no 'Task exception was never retrieved' left for the event loop."""
+
+    class Cancelled(Exception):
+        pass
+
+    class Failing(LocalBackend):
+        def _hold(self, key):
+            async def hold():
+                raise Cancelled(key)
+
+            return hold(), lambda: None
+
+    async def scenario():
+        unhandled = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unhandled.append(ctx))
+        backend = Failing(None, {}, stop_registry=object())
+        event = asyncio.Event()
+        backend.watch_stop("gone", event)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        import gc
+
+        gc.collect()
+        return unhandled, event.is_set()
+
+    unhandled, stopped = asyncio.run(scenario())
+    assert unhandled == [] and not stopped
