@@ -180,7 +180,10 @@ def _free_port(host: str) -> int:
 # helpers. Ray's workers (every replica, and so the engine process) start at niceness 0, as
 # Ray's job drivers do, not Ray's default 15: at 15 the engine's core looked idle to the
 # kernel's load balancing, which placed other processes there to preempt the step loop. The
-# measurements behind each: docs/performance.md, "Ray's background settings".
+# measurements behind each: docs/performance.md, "Ray's background settings". And the raylet
+# waits 120 s, not 30, for its dashboard agent to start: on a loaded 2-core machine the agent's
+# imports alone took longer, and the raylet then died ("the current node timed out during
+# startup").
 RAY_BACKGROUND_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
@@ -194,6 +197,7 @@ RAY_BACKGROUND_ENV = {
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
     "RAY_enable_pipe_based_agent_to_parent_health_check": "1",
+    "RAY_agent_register_timeout_ms": "120000",
 }
 
 

@@ -46,6 +46,8 @@ def test_ray_serves_background_work_is_slowed_unless_the_user_set_it(monkeypatch
     assert os.environ["REPORTER_UPDATE_INTERVAL_MS"] == "60000"  # the dashboard agent's stats
     # the agent learns of its raylet's death from a pipe, not by polling
     assert os.environ["RAY_enable_pipe_based_agent_to_parent_health_check"] == "1"
+    # and the raylet waits for that agent longer than Ray's 30 s on a loaded machine
+    assert os.environ["RAY_agent_register_timeout_ms"] == "120000"
     assert os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "100"  # the user's
     assert os.environ["RAY_metrics_report_interval_ms"] == "10000"  # the user's
 

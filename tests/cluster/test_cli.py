@@ -141,7 +141,9 @@ def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
     config, base = _small_config(tmp_path, "deployments-pd.yaml")
     dashboard = f"http://127.0.0.1:{_free_port()}"
     gcs = f"127.0.0.1:{_free_port()}"
-    env = _env(RAY_AUTH_MODE="token")
+    # (as docs/troubleshooting.md advises for `ray start` on a busy machine: the raylet waits
+    # longer than 30 s for its dashboard agent, which the suite's other worker slows down)
+    env = _env(RAY_AUTH_MODE="token", RAY_agent_register_timeout_ms="120000")
     log = tmp_path / "ray-start.log"
     ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     head = _start(
