@@ -8,6 +8,7 @@ early, a cancelled task) aborts the request in the replica, which frees its KV b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -41,8 +42,7 @@ class Backend(Protocol):
 
     def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]: ...
 
-    async def stats(self, model: str) -> list[dict]:
-        """Engine stats of the model's replicas that one call reaches (one per role)."""
+    async def stats(self, model: str) -> list[dict]:  # of the replicas one call reaches, by role
         ...
 
     async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection: ...
@@ -51,8 +51,7 @@ class Backend(Protocol):
 
     async def unavailable(self, model: str) -> str | None: ...  # why no replica of it can now
 
-    # stopInfer across ingress replicas (ingress/stops.py); without a shared registry these
-    # do nothing
+    # stopInfer across ingress replicas (ingress/stops.py); without a shared registry: no-ops
     def watch_stop(self, key: str, event: asyncio.Event) -> Callable[[], None] | None:
         """Sets `event` when another ingress replica is asked to stop `key`; returns the call
         that ends the watch (None: nothing to end)."""
@@ -96,14 +95,9 @@ class _Targets:
         held, cancel = self._hold(key)
 
         async def relay() -> None:
-            try:
+            with contextlib.suppress(Exception):  # Ray Serve cancels the hold with its request
                 if await held:
                     event.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 (e.g. Ray Serve cancelled the hold with
-                # its request when the client left): nothing more can stop this request
-                logger.debug("stop watch for %s ended: %r", key, exc)
 
         task = asyncio.ensure_future(relay())
 
