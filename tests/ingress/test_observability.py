@@ -15,6 +15,7 @@ from serve_app.ingress.metrics import Metrics
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "cluster" / "grafana-dashboard.json"
 DOC = ROOT / "docs" / "observability.md"
+RAY_PREFIX = "ray_"  # what Ray's metrics agent puts before the names replicas record
 
 
 def served() -> dict[str, set[str]]:
@@ -35,17 +36,37 @@ def served() -> dict[str, set[str]]:
 
 
 def queried() -> set[str]:
-    """The metric names the dashboard's queries select (each as `name{model_name=...}`)."""
+    """The metric names the dashboard's queries select, each filtered by the model variable:
+    /metrics' by its label model_name, the replicas' own (Ray's ray_ prefix) by model."""
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    assert exprs and all('{model_name=~"$model"}' in e for e in exprs)
-    return {name for e in exprs for name in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", e)}
+    names = {(n, f) for e in exprs for n, f in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{(\w+)=", e)}
+    assert exprs and all("$model" in e for e in exprs)
+    assert all(f == ("model" if n.startswith(RAY_PREFIX) else "model_name") for n, f in names)
+    return {n for n, _ in names}
+
+
+def recorded_per_replica() -> set[str]:
+    """The series each model replica records through Ray's metrics, as Prometheus names them
+    (Ray's prefix; counters with _total)."""
+    from serve_app.replica import replica_metrics
+
+    gauges = {RAY_PREFIX + name for name, _, _ in replica_metrics.GAUGES}
+    return gauges | {f"{RAY_PREFIX}{name}_total" for name, _, _ in replica_metrics.COUNTERS}
 
 
 def test_every_metric_the_dashboard_queries_is_served():
     series = set().union(*served().values())
-    missing = queried() - series
-    assert not missing, f"the dashboard queries metrics /metrics does not serve: {missing}"
+    missing = queried() - series - recorded_per_replica()
+    assert not missing, f"the dashboard queries metrics nobody serves: {missing}"
+
+
+def test_every_replica_metric_is_documented_and_on_the_dashboard():
+    doc = DOC.read_text()
+    names = recorded_per_replica()
+    assert names <= queried(), f"not on the dashboard: {names - queried()}"
+    base = {n.removesuffix("_total") for n in names}
+    assert all(f"`{name}`" in doc for name in base), base
 
 
 def test_every_served_metric_is_documented_and_on_the_dashboard():
