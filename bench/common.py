@@ -47,6 +47,12 @@ def seeded_prompts(num: int, length: int, seed: int, vocab: int = VOCAB_REGULAR)
     return torch.randint(0, vocab, (num, length), generator=gen).tolist()
 
 
+def prompt_vocab(model_path: Path) -> int:
+    """Prompt ids are drawn below this: the demo tokenizer's regular tokens, else the vocab."""
+    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    return min(vocab, VOCAB_REGULAR)
+
+
 def random_token_ids(rng: random.Random, length: int, vocab: int = VOCAB_REGULAR) -> list[int]:
     """One prompt of `length` uniform random token ids below `vocab` (default: the demo
     tokenizer's regular tokens) drawn from `rng`."""

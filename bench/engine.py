@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.engine --quick      # 8 x 32 x 16 smoke test (under ~2 minutes)
     .venv/bin/python -m bench.engine --dtype float32 --repeats 3
     .venv/bin/python -m bench.engine --model smollm2-135m-instruct   # the real built-in model
+    .venv/bin/python -m bench.engine --world-size 2   # tensor parallelism: ranks 1 vs 2
 
 Every system generates the same greedy, EOS-free workload on the demo model (or --model), after
 a short warm-up, and is scored as output tokens / wall seconds. See bench/README.md for what each
@@ -39,12 +40,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 from bench.common import (  # noqa: E402  (bench/common.py, next to this script)
-    VOCAB_REGULAR,
     Run,
     default_out,
     log,
     machine_info,
     percentile,
+    prompt_vocab,
     seeded_prompts,
 )
 from bench.hf_systems import (  # noqa: E402
@@ -694,13 +695,13 @@ def bench_dtype_apart(args, *rest) -> dict:
         return pool.submit(bench_dtype_in_child, args, *rest).result()
 
 
-def prompt_vocab(model_path: Path) -> int:
-    """Prompt ids are drawn below this: the demo tokenizer's regular tokens, else the vocab."""
-    vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
-    return min(vocab, VOCAB_REGULAR)
-
-
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if any(a == "--world-size" or a.startswith("--world-size=") for a in given):
+        # tensor parallelism: our engine at world size N against 1 (bench/tensor_parallel.py)
+        from bench.tensor_parallel import main as tensor_parallel
+
+        return tensor_parallel(given)
     args = parse_args(argv)
     set_up_process(args)
     gpu = {"gpu": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {}

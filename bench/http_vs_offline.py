@@ -38,7 +38,8 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-from bench.common import VOCAB_REGULAR, Run, default_out, log, machine_info  # noqa: E402
+from bench import common  # noqa: E402
+from bench.common import Run, default_out, log, machine_info  # noqa: E402
 from bench.server_process import (  # noqa: E402
     START_TIMEOUT_S,
     first_model,
@@ -137,12 +138,10 @@ def summarize(pairs: list[dict]) -> dict:
 
 
 def prompt_vocab(weights: str) -> int:
-    """The prompt ids' bound, as bench/engine.py draws them: the demo tokenizer's regular
-    tokens, or the model's vocabulary where that is smaller."""
+    """The prompt ids' bound, as bench/engine.py draws them (common.prompt_vocab)."""
     from serve_app.models.loader import resolve_model_path
 
-    config = json.loads((resolve_model_path(weights) / "config.json").read_text())
-    return min(config["vocab_size"], VOCAB_REGULAR)
+    return common.prompt_vocab(resolve_model_path(weights))
 
 
 def run(args) -> dict:

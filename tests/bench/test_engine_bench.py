@@ -276,3 +276,28 @@ def test_transformers_cb_config_speaks_the_older_page_field_too(eb):
     assert older.num_blocks == 4 * 2 and older.max_requests_per_batch == 4
     current = hf.cb_config(args)
     assert current.page_size == 128 and hf.cb_page_size(current) == 128
+
+
+@pytest.mark.timeout(300)
+def test_world_size_compares_the_split_engine_with_one_rank(eb, tmp_path, monkeypatch):
+    """`bench.engine --world-size 2` (demo-tiny, a small batch): both runs give the same greedy
+    tokens, the result has each rank's memory, and a split that computed other tokens would
+    give no figure."""
+    from bench import tensor_parallel
+
+    out = tmp_path / "tp.json"
+    argv = ["--world-size", "2", "--model", "demo-tiny", "--quick", "--out", str(out)]
+    assert eb.main(argv) == 0
+    report = json.loads(out.read_text())
+    one, two = report["results"]
+    assert (one["world_size"], two["world_size"]) == (1, 2) and report["same_tokens"]
+    assert len(one["rank_rss_mib"]) == 1 and len(two["rank_rss_mib"]) == 2
+    assert two["rank0_kv_cache_mib"] == one["rank0_kv_cache_mib"] / 2  # each rank: its KV heads
+    assert report["throughput_ratio"] > 0
+
+    def wrong(model, world, *args, **kwargs):  # a split that computes other tokens
+        return {**one, "world_size": world, "tokens": [[1, 2, world]]}
+
+    monkeypatch.setattr(tensor_parallel, "measure", wrong)
+    assert tensor_parallel.main(argv[:-1] + [str(tmp_path / "no.json")]) == 1
+    assert not (tmp_path / "no.json").exists()
