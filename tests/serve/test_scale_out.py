@@ -1,18 +1,20 @@
 """More than one of everything over Ray: two ingress replicas, two models (ModelConfig entries)
-with two replicas each, two tokenizer pool replicas. Requests to both models are served by both
-of each model's replicas, and a stopInfer reaches its request whichever ingress replica it
-lands on (the shared StopRegistry). Slow."""
+with two to three autoscaled replicas each, two tokenizer pool replicas. Requests to both models
+are served by both of each model's replicas, a stopInfer reaches its request whichever ingress
+replica it lands on (the shared StopRegistry), and a burst of load scales a model out while
+its end scales it back in without cutting a stream. Slow."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import time
 
 import httpx
 import pytest
-from serve_helpers import LONG_MAX_TOKENS, SERVE_TEST_ARGS, deploy, engine_processes
+from serve_helpers import LONG_MAX_TOKENS, SERVE_TEST_ARGS, deploy, engine_processes, kv_idle
 
 MODELS = ("demo", "demo-b")
 ARGS = copy.deepcopy(SERVE_TEST_ARGS)
@@ -23,7 +25,18 @@ ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
     {"modelName": name, "modelWeightPath": "demo-tiny", "engineProcess": True, "device": "cpu"}
     for name in MODELS
 ]
-ARGS["Deployments"] = {"Ingress": {"num_replicas": 2}, "ModelReplica": {"num_replicas": 2}}
+# Each model's replicas autoscale between two and three, a third once the replicas hold more than
+# 8 requests each on average (the load of the first tests stays below); a replica stopped on a
+# scale-down drains its streams for up to 120 s
+SCALING = {
+    "min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 8, "upscale_delay_s": 0,
+    "downscale_delay_s": 3, "look_back_period_s": 1,
+}  # fmt: skip
+ARGS["Deployments"] = {
+    "Ingress": {"num_replicas": 2},
+    "ModelReplica": {"autoscaling_config": SCALING, "graceful_shutdown_timeout_s": 120,
+                     "graceful_shutdown_wait_loop_s": 0.5},
+}  # fmt: skip
 # a greedy request of LONG_MAX_TOKENS runs for seconds on any machine: a stop sent after its first
 # event ends it long before its end
 ARGS["BackendConfig"]["ModelDeployConfig"]["maxSeqLen"] = 4096
@@ -38,12 +51,14 @@ def app(cluster):
     serve.delete("serve_app")
 
 
-def _engine_cpu_seconds() -> dict[int, float]:
-    """CPU seconds of each model replica's engine process, by pid."""
+def _engine_cpu_seconds(deployment: str | None = None) -> dict[int, float]:
+    """CPU seconds of each model replica's engine process (of one deployment), by pid."""
     found = {}
     for proc in engine_processes():
-        times = proc.cpu_times()
-        found[proc.pid] = times.user + times.system
+        title = " ".join(proc.parent().cmdline())  # the replica: ray::ServeReplica:<app>:<name>
+        if deployment is None or re.search(rf":{re.escape(deployment)}(\.|\s|$)", title):
+            times = proc.cpu_times()
+            found[proc.pid] = times.user + times.system
     return found
 
 
@@ -119,3 +134,95 @@ def test_a_tokenizer_pool_of_two_serves_chat_and_text(app):
     while httpx.get(f"{app}/v2/health/ready", timeout=5).status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.5)
+
+
+def _replica_states(deployment: str) -> dict[str, int]:
+    from ray import serve
+
+    status = serve.status().applications["serve_app"].deployments[deployment]
+    return {getattr(k, "value", str(k)): n for k, n in status.replica_states.items()}
+
+
+def _stream(app: str, prompt: str, max_tokens: int, got: dict) -> None:
+    """A completions stream; got[prompt]: its events' texts, finish reason and token count."""
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    events: list = []
+    got[prompt] = events
+    with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+
+
+def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_stream(app):
+    """Autoscaling live: a burst of requests on "demo" (above 8 per replica) starts a third
+    replica; streams then run on all three (each replica's engine busy once the burst is over);
+    Serve scales back to two while they run, and the replica it stops drains its streams
+    (graceful_shutdown_timeout_s) instead of cutting them: every stream ends whole, and the
+    survivors hold no KV."""
+    deployment = "ModelReplica-demo"
+    assert _replica_states(deployment) == {"RUNNING": 2}
+    burst_on = threading.Event()
+    burst_on.set()
+
+    def burst(worker: int) -> None:
+        sent = 0
+        while burst_on.is_set():
+            body = {"model": "demo", "prompt": f"burst {worker} {sent}", "max_tokens": 48,
+                    "ignore_eos": True}  # fmt: skip
+            httpx.post(f"{app}/v1/completions", json=body, timeout=120)
+            sent += 1
+
+    burst_threads = [threading.Thread(target=burst, args=(i,)) for i in range(20)]
+    streams: dict = {}
+    stream_threads = []
+    try:
+        for thread in burst_threads:
+            thread.start()
+        deadline = time.monotonic() + 180
+        while _replica_states(deployment).get("RUNNING", 0) < 3:
+            assert time.monotonic() < deadline, f"no third replica: {_replica_states(deployment)}"
+            time.sleep(0.5)
+        time.sleep(2)  # the ingress replicas' routers learn of the third and send it work
+    finally:
+        burst_on.clear()  # the burst ends: its last requests still hold the replicas a moment
+    try:
+        # streams now, while Serve waits out downscale_delay_s: the router sends each to the
+        # less loaded of two replicas, so all three get streams
+        for i in range(9):
+            thread = threading.Thread(target=_stream, args=(app, f"long {i}", 800, streams))
+            thread.start()
+            stream_threads.append(thread)
+        while len(streams) < 9 or not all(streams.values()):  # every stream has its first event
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.1)
+    finally:
+        for thread in burst_threads:
+            thread.join()
+    # the burst's requests are over: the replica Serve stops next is running streams
+    before = _engine_cpu_seconds(deployment)
+    time.sleep(1.0)
+    after = _engine_cpu_seconds(deployment)
+    assert len([p for p in before if after.get(p, 0) - before[p] > 0.05]) == 3, (before, after)
+    draining_s, last = 0.0, time.monotonic()
+    while any(t.is_alive() for t in stream_threads):
+        states, now = _replica_states(deployment), time.monotonic()
+        if states.get("STOPPING") and states.get("RUNNING") == 2:
+            draining_s += now - last
+        last = now
+        time.sleep(0.2)
+    for thread in stream_threads:
+        thread.join()
+    # a replica stopped with no stream would have been gone within a wait loop (0.5 s)
+    assert draining_s > 2, f"no replica drained streams while they ran ({draining_s:.1f} s)"
+    for prompt, events in streams.items():
+        usage = events[-1].get("usage") or {}  # (a cut stream ends with an error event)
+        assert usage.get("completion_tokens") == 800, (prompt, events[-1])
+        finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        assert finishes == ["length"], (prompt, finishes)
+    deadline = time.monotonic() + 60
+    while _replica_states(deployment) != {"RUNNING": 2}:
+        assert time.monotonic() < deadline, _replica_states(deployment)
+        time.sleep(0.5)
+    assert kv_idle(app)
