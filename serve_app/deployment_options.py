@@ -28,7 +28,14 @@ from typing import Any
 from serve_app.config import AppConfig
 from serve_app.config.deployments import DeploymentOptions
 from serve_app.placement import AUTO
-from serve_app.replica_cpus import auto_num_cpus, is_auto, replicas_of
+from serve_app.replica_cpus import (
+    DEVICE_RESOURCE,
+    NPU_DEVICE_FILES,
+    auto_num_cpus,
+    is_auto,
+    live_nodes,
+    replicas_of,
+)
 
 
 def detect_accelerator(cluster_resources: dict | None = None) -> str:
@@ -45,7 +52,7 @@ def detect_accelerator(cluster_resources: dict | None = None) -> str:
         if cluster_resources.get("NPU", 0) > 0:
             return "npu"
         return "cuda" if cluster_resources.get("GPU", 0) > 0 else "cpu"
-    if glob.glob("/dev/davinci[0-9]*"):
+    if glob.glob(NPU_DEVICE_FILES):
         return "npu"
     try:
         import torch
@@ -110,9 +117,7 @@ def model_replica_options(
     """Options of a model replica deployment; role prefill / decode (inferMode dmi) take their
     overrides from Deployments.Prefill / Deployments.Decode, the same defaults otherwise."""
     model = config.BackendConfig.ModelDeployConfig.ModelConfig[model_index]
-    device = model.device
-    if device == "auto":
-        device = detect_accelerator(cluster_resources)
+    device = _device(model.device, cluster_resources)
     actor: dict[str, Any] = {"num_cpus": AUTO}
     if device == "npu":
         actor["resources"] = {"NPU": 1}
@@ -127,12 +132,7 @@ def model_replica_options(
         "health_check_timeout_s": 60,
         "logging_config": dict(QUIET_CALLS),
     }
-    user = {
-        "colocated": config.Deployments.ModelReplica,
-        "prefill": config.Deployments.Prefill,
-        "decode": config.Deployments.Decode,
-    }[role]
-    options = _merge(defaults, user)
+    options = _merge(defaults, _user_options(config, role))
     world = model.world_size(role)
     if is_auto(options["ray_actor_options"]):
         # (given resources describe the node; else the live cluster's nodes are asked)
@@ -148,7 +148,7 @@ def model_replica_options(
                 "max_replicas_per_node: drop max_replicas_per_node"
             )
         options["placement_group_bundles"] = [_bundle(options["ray_actor_options"])] * world
-        key = {"npu": "NPU", "cuda": "GPU"}.get(device)
+        key = DEVICE_RESOURCE.get(device)
         # (asked of the live cluster when the app is built, not when resources are given)
         most = _most_per_node(key) if key and cluster_resources is None else None
         if most is not None and world > most:
@@ -179,35 +179,34 @@ def model_replica_options(
     return options
 
 
+def _device(device: str, cluster_resources: dict | None) -> str:
+    return detect_accelerator(cluster_resources) if device == "auto" else device
+
+
+def _user_options(config: AppConfig, role: str) -> DeploymentOptions:
+    """The user's Deployments entry for a model replica of this role."""
+    deployments = config.Deployments
+    return {"colocated": deployments.ModelReplica, "prefill": deployments.Prefill,
+            "decode": deployments.Decode}[role]  # fmt: skip
+
+
 def _cpu_ranks(config: AppConfig, cluster_resources: dict | None) -> int:
     """The ranks of the app's model replicas on CPU, all deployments together (num_cpus auto
     splits a node's CPUs among them)."""
     roles = ("prefill", "decode") if config.pd_mode else ("colocated",)
-    user = {"colocated": config.Deployments.ModelReplica, "prefill": config.Deployments.Prefill,
-            "decode": config.Deployments.Decode}  # fmt: skip
     ranks = 0
     for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
-        device = model.device
-        if device == "auto":
-            device = detect_accelerator(cluster_resources)
-        if device == "cpu":
+        if _device(model.device, cluster_resources) == "cpu":
             for role in roles:
-                replicas = replicas_of({"num_replicas": 1, **user[role].serve_options()})
-                ranks += replicas * model.world_size(role)
+                user = _user_options(config, role).serve_options()
+                ranks += replicas_of({"num_replicas": 1, **user}) * model.world_size(role)
     return ranks
 
 
 def _most_per_node(resource: str) -> float | None:
     """The most of `resource` one live node of the Ray cluster has (None: Ray is not up here)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-    except Exception:  # noqa: BLE001 (no cluster to ask: Ray places what it can)
-        return None
-    return max((n.get("Resources", {}).get(resource, 0) for n in nodes), default=0)
+    nodes = live_nodes()
+    return None if nodes is None else max((n.get(resource, 0) for n in nodes), default=0)
 
 
 def _bundle(actor: dict[str, Any]) -> dict[str, float]:

@@ -21,6 +21,7 @@ from typing import Any
 from serve_app.placement import AUTO, kept_for_serving, node_cores
 
 DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU"}
+NPU_DEVICE_FILES = "/dev/davinci[0-9]*"  # one per Ascend NPU the machine shows
 MIN_SHARE = 0.25
 
 
@@ -32,7 +33,7 @@ def share(node_cpus: float, ranks_on_node: int) -> float:
     return max(MIN_SHARE, per_rank)
 
 
-def _nodes() -> list[dict[str, float]] | None:
+def live_nodes() -> list[dict[str, float]] | None:
     """The resources of each live node of the Ray cluster (None: Ray is not up here)."""
     try:
         import ray
@@ -47,7 +48,7 @@ def _nodes() -> list[dict[str, float]] | None:
 def _this_machine(device: str) -> list[dict[str, float]]:
     found: dict[str, float] = {"CPU": float(len(node_cores()))}
     if device == "npu":
-        found["NPU"] = float(len(glob.glob("/dev/davinci[0-9]*")))
+        found["NPU"] = float(len(glob.glob(NPU_DEVICE_FILES)))
     elif device == "cuda":
         try:
             import torch
@@ -64,7 +65,7 @@ def auto_num_cpus(
     """num_cpus of each rank of a replica on `device` ('npu', 'cuda', 'cpu') for `auto`;
     cpu_ranks: the ranks of the app's CPU model replicas, all together; nodes: each node's
     resources (default: the live Ray cluster's, else this machine's)."""
-    nodes = nodes if nodes is not None else (_nodes() or _this_machine(device))
+    nodes = nodes if nodes is not None else (live_nodes() or _this_machine(device))
     key = DEVICE_RESOURCE.get(device)
     if key:
         fits = [n for n in nodes if n.get(key, 0) > 0 and n.get("CPU", 0) > 0]

@@ -327,7 +327,7 @@ def test_auto_asks_the_live_cluster_for_its_smallest_node_that_fits(monkeypatch)
     from serve_app import deployment_options, replica_cpus
 
     nodes = [{"CPU": 8}, {"CPU": 32, "NPU": 8}, {"CPU": 16, "NPU": 8}, {"CPU": 0, "NPU": 4}]
-    monkeypatch.setattr(replica_cpus, "_nodes", lambda: nodes)
+    monkeypatch.setattr(replica_cpus, "live_nodes", lambda: nodes)
     monkeypatch.setattr(deployment_options, "_most_per_node", lambda key: 8)
     npu = _models({"modelWeightPath": "demo", "device": "npu", "worldSize": 2})
     # the 16-CPU node of 8 NPUs: 2 kept, 14 over 8 ranks
