@@ -144,7 +144,7 @@ def _replica_states(deployment: str) -> dict[str, int]:
 
 
 def _stream(app: str, prompt: str, max_tokens: int, got: dict) -> None:
-    """A completions stream; got[prompt]: its events' texts, finish reason and token count."""
+    """A completions stream of `prompt`; got[prompt]: its data events, in order, as they come."""
     body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     events: list = []
