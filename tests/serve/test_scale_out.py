@@ -30,10 +30,19 @@ ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
 # scale-down drains its streams for up to 120 s
 SCALING = {
     "min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 8, "upscale_delay_s": 0,
-    "downscale_delay_s": 3, "look_back_period_s": 1,
+    "downscale_delay_s": 15, "look_back_period_s": 1,
 }  # fmt: skip
+# The ingress replicas' handles report their load to Serve's autoscaler each second (10 s by
+# default: the scaling decisions would lag the load by up to that), and their routers trust a
+# replica's last known queue length for 1 s (10 s by default: a replica busy at the burst's end
+# would look busy, and get no stream, for that long after it is idle)
+INGRESS_ROUTING_ENV = {
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "1",
+}
 ARGS["Deployments"] = {
-    "Ingress": {"num_replicas": 2},
+    "Ingress": {"num_replicas": 2,
+                "ray_actor_options": {"runtime_env": {"env_vars": INGRESS_ROUTING_ENV}}},
     "ModelReplica": {"autoscaling_config": SCALING, "graceful_shutdown_timeout_s": 120,
                      "graceful_shutdown_wait_loop_s": 0.5},
 }  # fmt: skip
@@ -190,15 +199,17 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
         for thread in burst_threads:
             thread.join()
     # the burst is over, and Serve waits out downscale_delay_s before it scales in: streams now,
-    # on replicas with nothing queued, so the router (the less loaded of two) spreads them over
-    # all three
+    # once the routers' queue lengths of the burst are stale, one after the other (each once the
+    # one before has its first event), so the routers (the less loaded of two replicas) spread
+    # them over all three
+    time.sleep(1.5)
     for i in range(9):
         thread = threading.Thread(target=_stream, args=(app, f"long {i}", 800, streams))
         thread.start()
         stream_threads.append(thread)
-    while len(streams) < 9 or not all(streams.values()):  # every stream has its first event
-        assert time.monotonic() < deadline, "the streams did not start"
-        time.sleep(0.1)
+        while not streams.get(f"long {i}"):
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
     # the burst's requests are over: the replica Serve stops next is running streams
     before = _engine_cpu_seconds(deployment)
     time.sleep(1.0)
