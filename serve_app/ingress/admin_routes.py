@@ -8,7 +8,7 @@ import contextlib
 from fastapi import APIRouter, Depends, Response
 from pydantic import Field
 
-from serve_app.ingress.metrics import CONTENT_TYPE
+from serve_app.ingress.metrics import CONTENT_TYPE, serve_replica_ids
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError
@@ -83,6 +83,8 @@ async def metrics(p: Pipeline = Depends(pipeline_of)) -> Response:
         with contextlib.suppress(Exception):
             for stats in await asyncio.wait_for(p.backend.stats(model), _STATS_TIMEOUT_S):
                 p.metrics.update_stats(model, stats)
+    with contextlib.suppress(Exception):  # replicas that left stop counting (Ray's actor list)
+        p.metrics.forget_departed(await asyncio.to_thread(serve_replica_ids))
     return Response(p.metrics.render(), media_type=CONTENT_TYPE)
 
 

@@ -3,7 +3,9 @@
 Request-level histograms and counters are observed in the ingress as requests finish; the engine
 gauges (running, waiting, KV usage, preemptions, prefix-cache hit rate) come from the stats that
 each model replica attaches to its final chunk and to /metrics-time polls, kept per replica and
-summed (KV usage averaged) across replicas.
+summed (KV usage averaged) across replicas. A replica that left (scaled in, replaced: its Ray
+Serve actor is gone) stops counting in the gauges, and its counters' last totals stay in the
+sums, so that a counter never goes down.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class Metrics:
             (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
         )
         self._replica_stats: dict[str, dict[str, tuple[float, dict]]] = {}
+        self._departed: set[str] = set()  # replicas that left: a late report of theirs is dropped
+        self._departed_totals: dict[str, dict[str, float]] = {}  # model -> their counters' sums
         self.registry.register(_EngineCollector(self))
 
     def observe_request(
@@ -118,7 +122,21 @@ class Metrics:
     def update_stats(self, model: str, stats: dict | None) -> None:
         if stats:
             replica = str(stats.get("replica_id", ""))
-            self._replica_stats.setdefault(model, {})[replica] = (time.monotonic(), stats)
+            if replica not in self._departed:
+                self._replica_stats.setdefault(model, {})[replica] = (time.monotonic(), stats)
+
+    def forget_departed(self, alive: set[str] | None) -> None:
+        """Replicas not in `alive` (the ids of the replicas running now; None: not known) have
+        left: their gauges go, their counters' totals are kept."""
+        if alive is None:
+            return
+        for model, replicas in self._replica_stats.items():
+            for replica in [r for r in replicas if r and r not in alive]:
+                _, stats = replicas.pop(replica)
+                self._departed.add(replica)
+                totals = self._departed_totals.setdefault(model, {})
+                for key in COUNTER_KEYS:
+                    totals[key] = totals.get(key, 0.0) + float(stats.get(key) or 0)
 
     def models(self) -> list[str]:
         return list(self._replica_stats)
@@ -126,6 +144,9 @@ class Metrics:
     def live_stats(self, model: str) -> list[dict]:
         now = time.monotonic()
         return [s for t, s in self._replica_stats.get(model, {}).values() if now - t < _STALE_S]
+
+    def departed_totals(self, model: str) -> dict[str, float]:
+        return self._departed_totals.get(model, {})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -145,8 +166,10 @@ class _EngineCollector:
         ]
         for model in self.metrics.models():
             stats = self.metrics.live_stats(model)
+            counted = [*stats, self.metrics.departed_totals(model)]
             for family, value, combine in families:
-                family.add_metric([model], combine([float(value(s)) for s in stats]))
+                of = counted if isinstance(family, CounterMetricFamily) else stats
+                family.add_metric([model], combine([float(value(s)) for s in of]))
         for family, _, _ in families:
             yield family
 
@@ -157,7 +180,11 @@ def _hit_rate(stats: dict) -> float:
 
 
 def _key(name: str):
-    return lambda stats: stats.get(name, 0)
+    def value(stats: dict) -> float:
+        return stats.get(name, 0)
+
+    value.key = name  # (the counters' keys: what a departed replica's totals keep)
+    return value
 
 
 def _mean(values: list[float]) -> float:
@@ -195,3 +222,18 @@ _ENGINE_METRICS = (
      "PD hand-offs whose KV never reached the decode replica (then recomputed or failed, per "
      "kvLossPolicy).", _key("num_kv_lost"), sum),
 )  # fmt: skip
+# the engine stats keys of the counters (each read with _key)
+COUNTER_KEYS = [
+    value.key for kind, _, _, value, _ in _ENGINE_METRICS if kind is CounterMetricFamily
+]
+
+
+def serve_replica_ids() -> set[str] | None:
+    """The ids of the Ray Serve replicas running now (each replica's actor is named after its
+    id); None where Ray is not up in this process."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    names = (actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True))
+    return {name.rsplit("#", 1)[-1] for name in names if name.startswith("SERVE_REPLICA::")}

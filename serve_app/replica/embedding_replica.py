@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 import torch
 
@@ -29,6 +28,7 @@ from serve_app.embedding import Encoder, InputRefused, MicroBatcher
 from serve_app.messages import EmbedRequest, EmbedResult, ErrorKind, Rejection
 from serve_app.models.loader import resolve_model_path
 from serve_app.placement import bind_process
+from serve_app.replica.identity import replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class EmbeddingReplica:
             bind_process(config.serving_cores())
         entry = config.EmbeddingConfig[index]
         self.endpoint = entry.endpointName
-        self.replica_id = uuid.uuid4().hex[:12]
+        self.replica_id = replica_id()
         # print, not log: Ray forwards replica stdout to `serve run`, so users see the progress
         print(
             f"embedding replica {self.replica_id}: loading {entry.modelWeightPath!r} for "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -27,6 +26,7 @@ from serve_app.engine.inputs import EngineRequest
 from serve_app.engine.kv_transfer import ImportedPrefill
 from serve_app.messages import DecodeRequest, ErrorKind, PrefillResult, ReplicaChunk, ReplicaRequest
 from serve_app.placement import AUTO, bind_process
+from serve_app.replica.identity import replica_id
 from serve_app.replica.output_processor import OutputProcessor
 from serve_app.replica.ranks import start_engine
 from serve_app.replica.relay import RayStream, Relay, Sink
@@ -77,7 +77,7 @@ class ModelReplica:
             bind_process(app_config.serving_cores())
         self.limits = TokenLimits.of(app_config)
         self.model_name = engine_config.model_name
-        self.replica_id = uuid.uuid4().hex[:12]
+        self.replica_id = replica_id()
         self.engine: AsyncEngine | None = None  # set last: __del__ may see a failed __init__
         self.outbox = TokenOutbox(ray_node_id())  # links to ingress token sockets on this node
         self.recent = RecentBlocks(engine_config.block_size)  # for the prefix-aware routers
@@ -233,7 +233,7 @@ class ModelReplica:
             yield chunk
 
     def _final(self, chunk: ReplicaChunk) -> ReplicaChunk:
-        chunk.stats = self.engine.stats()
+        chunk.stats = {**self.engine.stats(), "replica_id": self.replica_id}  # (ingress/metrics)
         chunk.replica_id = self.replica_id
         return chunk
 

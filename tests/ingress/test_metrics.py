@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve_app.ingress.metrics import Metrics
+from serve_app.ingress.metrics import Metrics, serve_replica_ids
 
 
 def _lines(metrics: Metrics, name: str) -> list[str]:
@@ -35,3 +35,56 @@ def test_replicas_without_helpers_report_no_chunks():
     assert _lines(metrics, "cpu_chunks_helpers_total") == [
         'cpu_chunks_helpers_total{model_name="demo"} 0.0'
     ]
+
+
+def test_a_replica_that_left_stops_counting_and_its_counters_stay_in_the_sums():
+    metrics = Metrics()
+    for replica, running in (("a", 2), ("b", 3)):
+        metrics.update_stats(
+            "demo",
+            {"replica_id": replica, "num_running": running, "kv_usage": 0.5,
+             "num_preemptions": 4, "prefix_cache_queries": 10},
+        )  # fmt: skip
+    assert _lines(metrics, "num_requests_running") == [
+        'num_requests_running{model_name="demo"} 5.0'
+    ]
+    metrics.forget_departed(None)  # who runs is not known: nothing changes
+    assert _lines(metrics, "num_requests_running") == [
+        'num_requests_running{model_name="demo"} 5.0'
+    ]
+    metrics.forget_departed({"a", "someone-else"})  # b was scaled in
+    assert _lines(metrics, "num_requests_running") == [
+        'num_requests_running{model_name="demo"} 2.0'
+    ]
+    assert _lines(metrics, "npu_cache_usage_perc") == [
+        'npu_cache_usage_perc{model_name="demo"} 0.5'
+    ]
+    assert _lines(metrics, "num_preemptions_total") == [
+        'num_preemptions_total{model_name="demo"} 8.0'
+    ]
+    # a report of b's that comes late (its last stream's final chunk) is not taken
+    metrics.update_stats("demo", {"replica_id": "b", "num_running": 1, "num_preemptions": 5})
+    metrics.update_stats(
+        "demo",
+        {"replica_id": "a", "num_running": 0, "num_preemptions": 6, "prefix_cache_queries": 10},
+    )
+    assert _lines(metrics, "num_requests_running") == [
+        'num_requests_running{model_name="demo"} 0.0'
+    ]
+    assert _lines(metrics, "num_preemptions_total") == [
+        'num_preemptions_total{model_name="demo"} 10.0'
+    ]
+    metrics.forget_departed(set())  # a left too: the counters hold, the gauges are empty
+    assert _lines(metrics, "num_preemptions_total") == [
+        'num_preemptions_total{model_name="demo"} 10.0'
+    ]
+    assert _lines(metrics, "prefix_cache_queries_total") == [
+        'prefix_cache_queries_total{model_name="demo"} 20.0'
+    ]
+    assert _lines(metrics, "npu_cache_usage_perc") == [
+        'npu_cache_usage_perc{model_name="demo"} 0.0'
+    ]
+
+
+def test_without_ray_who_runs_is_not_known():
+    assert serve_replica_ids() is None

@@ -108,6 +108,7 @@ def test_stream_equals_non_stream_and_decode(replica, prompt, reference):
     assert joined(chunks) == reference.text == replica.tokenizer.decode(ids)
     final = chunks[-1]
     assert final.num_prompt_tokens == len(prompt) and final.replica_id == replica.replica_id
+    assert final.stats["replica_id"] == replica.replica_id  # (kept apart per replica in /metrics)
     assert final.stats["num_blocks"] == 128 and final.error is None
     assert last_delta(chunks).finish_reason == "length"
     assert last_delta(chunks).num_output_tokens == 32

@@ -14,7 +14,9 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import LONG_MAX_TOKENS, SERVE_TEST_ARGS, deploy, engine_processes
+from serve_helpers import LONG_MAX_TOKENS, SERVE_TEST_ARGS, deploy, engine_processes, kv_idle
+
+from serve_app.ingress.metrics import serve_replica_ids
 
 MODELS = ("demo", "demo-b")
 ARGS = copy.deepcopy(SERVE_TEST_ARGS)
@@ -235,14 +237,18 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
     while _replica_states(deployment) != {"RUNNING": 2}:
         assert time.monotonic() < deadline, _replica_states(deployment)
         time.sleep(0.5)
-    # asked of the two survivors themselves: the ingress's /metrics still counts the stopped
-    # replica's last report (sent with its last stream, while it ran) until that goes stale
-    assert _survivors_idle(deployment), "a surviving replica holds requests or KV blocks"
+    survivors = _idle_survivors(deployment)
+    assert len(survivors) == 2, "a surviving replica holds requests or KV blocks"
+    # the ids the replicas report are their Ray Serve replica ids: what the ingress checks
+    # against Ray's list of replicas to stop counting one that left
+    assert survivors <= serve_replica_ids(), (survivors, serve_replica_ids())
+    assert kv_idle(app, 30), "/metrics still counts requests or KV blocks"
 
 
-def _survivors_idle(deployment: str, timeout_s: float = 30) -> bool:
-    """True once both running replicas of the deployment report no running request and no KV
-    block in use (their own engine stats, each replica reached through the handle in turn)."""
+def _idle_survivors(deployment: str, timeout_s: float = 30) -> set[str]:
+    """The ids of the deployment's replicas once each of the two running ones reports no
+    running request and no KV block in use (their own engine stats, each replica reached
+    through the handle in turn); empty if they do not within timeout_s."""
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name="serve_app")
@@ -254,6 +260,6 @@ def _survivors_idle(deployment: str, timeout_s: float = 30) -> bool:
         if len(latest) >= 2 and all(
             s["num_running"] == 0 and s["kv_usage"] == 0 for s in latest.values()
         ):
-            return True
+            return set(latest)
         time.sleep(0.1)
-    return False
+    return set()

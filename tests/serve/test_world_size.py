@@ -19,6 +19,7 @@ from serve_helpers import (
     MODELS_ARGS,
     actors,
     deploy,
+    kv_idle,
     serves_again,
     stream_until_fault,
 )
@@ -93,6 +94,8 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_the_replica_is_replaced(se
         assert time.monotonic() < deadline, "no new rank came with the replaced replica"
         time.sleep(1)
     assert [a["name"] for a in actors("ModelReplica-demo")] != [replica["name"]]
+    # and /metrics shows the model idle: what the killed replica reported last counts no more
+    assert kv_idle(server, 30), "/metrics still counts requests or KV blocks"
 
 
 def test_pd_with_the_prefill_and_the_decode_each_over_two_ranks(cluster, http):
