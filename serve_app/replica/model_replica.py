@@ -44,9 +44,8 @@ ROLES = ("colocated", "prefill", "decode")
 class ModelReplica:
     """role: "colocated" (`generate`), "prefill" (`prefill`: the first token and the
     prompt's KV) or "decode" (`decode`: continue after a prefill). Every role keeps `generate`.
-    connector: how prefill stages the KV for decode (`serve_app.disagg.connector`).
-    kv_loss_policy: what decode does when the KV cannot be fetched ("recompute" the prompt
-    locally, or "fail" the request). Both default to ServerConfig's kvConnector / kvLossPolicy.
+    connector: how prefill stages the KV for decode (`serve_app.disagg.connector`). kv_loss_policy:
+    what decode does when the KV cannot be fetched ("recompute" the prompt locally, or "fail").
     off_engine_cores: when the engine process is bound to cores (engineCpus), bind this process,
     whose work is the serving path's, to the cores no engine is bound to (the app builder asks).
     """
@@ -134,6 +133,7 @@ class ModelReplica:
         try:
             async with aclosing(self.engine.generate(request)) as outputs:
                 async for output in outputs:
+                    self.metrics.note(output)
                     if output.finished:
                         break
         except Exception as exc:
@@ -211,7 +211,7 @@ class ModelReplica:
         # request's Ray stream: each chunk made and put there as the engine hands its output
         # over (see Relay)
         sink: Sink = await self.outbox.link(processor.req.reply_to) or RayStream()
-        relay = Relay(processor, sink, handoff)
+        relay = Relay(processor, sink, handoff, self.metrics.note)
         try:
             # leaving the block early (every choice hit a stop string, the consumer went away)
             # aborts the engine request now

@@ -13,7 +13,7 @@ choice hit a stop string, an error, the socket closed), which the caller sends i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from serve_app.disagg.handoff import Handoff
@@ -79,11 +79,16 @@ class RayStream:
 
 class Relay:
     def __init__(
-        self, processor: OutputProcessor, sink: Sink, handoff: Handoff | None = None
+        self,
+        processor: OutputProcessor,
+        sink: Sink,
+        handoff: Handoff | None = None,
+        note: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         self.processor = processor
         self.sink = sink
         self.handoff = handoff
+        self.note = note  # told of each output (the replica's metrics)
         self.final: asyncio.Future[ReplicaChunk] = asyncio.get_running_loop().create_future()
 
     def take(self, item: RequestOutput | Exception) -> None:
@@ -94,6 +99,8 @@ class Relay:
         try:
             if isinstance(item, Exception):
                 raise item
+            if self.note is not None:
+                self.note(item)
             handoff = self.handoff
             if handoff is not None:
                 handoff.note_import([item])

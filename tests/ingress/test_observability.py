@@ -48,11 +48,13 @@ def queried() -> set[str]:
 
 def recorded_per_replica() -> set[str]:
     """The series each model replica records through Ray's metrics, as Prometheus names them
-    (Ray's prefix; counters with _total)."""
+    (Ray's prefix; counters with _total, histograms by their _bucket series)."""
     from serve_app.replica import replica_metrics
 
     gauges = {RAY_PREFIX + name for name, _, _ in replica_metrics.GAUGES}
-    return gauges | {f"{RAY_PREFIX}{name}_total" for name, _, _ in replica_metrics.COUNTERS}
+    counters = [name for name, _, _ in replica_metrics.COUNTERS] + [replica_metrics.GENERATED[0]]
+    histograms = {f"{RAY_PREFIX}{name}_bucket" for name, _, _ in replica_metrics.HISTOGRAMS}
+    return gauges | {f"{RAY_PREFIX}{name}_total" for name in counters} | histograms
 
 
 def test_every_metric_the_dashboard_queries_is_served():
@@ -65,7 +67,7 @@ def test_every_replica_metric_is_documented_and_on_the_dashboard():
     doc = DOC.read_text()
     names = recorded_per_replica()
     assert names <= queried(), f"not on the dashboard: {names - queried()}"
-    base = {n.removesuffix("_total") for n in names}
+    base = {n.removesuffix("_total").removesuffix("_bucket") for n in names}
     assert all(f"`{name}`" in doc for name in base), base
 
 

@@ -668,15 +668,23 @@ def test_tokens_held_by_stream_interval_come_before_an_engine_failure(
     wait_idle(replica, timeout=10)
 
 
-def test_the_replica_records_its_engine_figures_and_reports_what_it_was_sent(replica, prompt):
+def test_the_replica_records_its_engine_figures_and_reports_what_it_was_sent(
+    replica, prompt, monkeypatch
+):
     """Its engine's stats carry every figure its Ray metrics record (a missing key would
-    record 0 forever), and its routing stats name the blocks of the prompts it was sent."""
+    record 0 forever), its metrics are told of each output of a request (its timing and
+    tokens), and its routing stats name the blocks of the prompts it was sent."""
     from serve_app.replica.replica_metrics import COUNTERS, GAUGES
     from serve_app.routing.prefix_index import ROUTING_STATS_KEY, block_hashes
 
     stats = replica.engine.stats()
     assert {key for _, key, _ in GAUGES + COUNTERS} <= set(stats)
     replica.metrics.record()
+    noted = []
+    monkeypatch.setattr(replica.metrics, "note", noted.append)
     collect(replica, request(prompt * 4, greedy(2)))
+    assert sum(len(o.outputs[0].new_token_ids) for o in noted) == 2
+    assert noted[0].metrics.prefill_time_ms is not None
+    assert noted[-1].metrics.decode_time_ms is not None
     reported = replica.record_routing_stats()[ROUTING_STATS_KEY]
     assert set(block_hashes(prompt * 4, 16)) <= set(reported)

@@ -3,13 +3,23 @@ as they are, the engine's running totals as counter increments, tagged by model 
 
 import pytest
 
+from serve_app.engine.outputs import CompletionOutput, RequestOutput, StepMetrics
 from serve_app.replica import replica_metrics
-from serve_app.replica.replica_metrics import COUNTERS, GAUGES, ReplicaMetrics
+from serve_app.replica.replica_metrics import (
+    COUNTERS,
+    GAUGES,
+    GENERATED,
+    HISTOGRAMS,
+    ReplicaMetrics,
+)
 
 
 class Recorded:
-    def __init__(self, name, description="", tag_keys=()):
+    def __init__(self, name, description="", *boundaries, tag_keys=()):
         self.name, self.tag_keys, self.values, self.tags = name, tag_keys, [], None
+
+    def observe(self, value):
+        self.values.append(value)
 
     def set_default_tags(self, tags):
         self.tags = tags
@@ -27,12 +37,12 @@ def recorded(monkeypatch):
 
     made = {}
 
-    def make(name, description="", tag_keys=()):
-        made[name] = Recorded(name, description, tag_keys)
+    def make(name, description="", *boundaries, tag_keys=()):
+        made[name] = Recorded(name, description, *boundaries, tag_keys=tag_keys)
         return made[name]
 
-    monkeypatch.setattr(metrics, "Gauge", make)
-    monkeypatch.setattr(metrics, "Counter", make)
+    for kind in ("Gauge", "Counter", "Histogram"):
+        monkeypatch.setattr(metrics, kind, make)
     monkeypatch.setattr(replica_metrics, "PERIOD_S", 3600)  # recorded by hand below
     return made
 
@@ -45,7 +55,7 @@ def test_gauges_and_counter_increments_per_replica(recorded):
     stats.update(num_running=0, prefix_cache_hits=14, prefix_cache_queries=20, num_steps=41)
     metrics.record()
     metrics.close()
-    assert set(recorded) == {name for name, _, _ in GAUGES + COUNTERS}
+    assert set(recorded) == {name for name, _, _ in GAUGES + COUNTERS + HISTOGRAMS} | {GENERATED[0]}
     assert all(m.tags == {"model": "demo", "role": "prefill"} for m in recorded.values())
     assert recorded["serve_app_requests_running"].values == [3, 0]
     assert recorded["serve_app_kv_cache_usage"].values == [0.5, 0.5]
@@ -67,3 +77,25 @@ def test_ray_serves_own_metrics_take_the_tags_inside_a_replica(monkeypatch):
     metrics.record()
     metrics.close()
     assert all(g._default_tags["replica"] == "abc" for g, _ in metrics._gauges)
+
+
+def _output(new_tokens: int, choices: int = 1, **timing) -> RequestOutput:
+    outputs = [CompletionOutput(i, [1] * new_tokens, [1] * new_tokens) for i in range(choices)]
+    return RequestOutput("r", [], outputs, metrics=StepMetrics(**timing))
+
+
+def test_each_requests_timing_and_tokens_per_replica(recorded):
+    """Time to first token and between tokens, as the engine measured them, and the tokens
+    generated, from the outputs the replica noted since the last record."""
+    metrics = ReplicaMetrics("demo", "colocated", dict)
+    metrics.note(_output(1, prefill_time_ms=40.0))
+    metrics.note(_output(1, choices=2, decode_time_ms=25.0))  # n=2: a token for each choice
+    beam = _output(3)  # reported at its end: every step's timing in its history
+    beam.step_history = [StepMetrics(prefill_time_ms=80.0), StepMetrics(decode_time_ms=30.0)]
+    metrics.note(beam)
+    metrics.record()
+    metrics.record()  # nothing noted since: nothing recorded
+    metrics.close()
+    ttft, itl = (recorded[name].values for name, _, _ in HISTOGRAMS)
+    assert ttft == [0.04, 0.08] and itl == [0.025, 0.03]
+    assert recorded[GENERATED[0]].values == [6]
