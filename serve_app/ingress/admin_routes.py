@@ -8,8 +8,9 @@ import contextlib
 from fastapi import APIRouter, Depends, Response
 from pydantic import Field
 
-from serve_app.ingress.metrics import CONTENT_TYPE, serve_replica_ids
+from serve_app.ingress.metrics import CONTENT_TYPE
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
+from serve_app.ingress.replica_stats import serve_replicas
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import RequestModel
@@ -79,12 +80,15 @@ async def model_metadata(model: str, p: Pipeline = Depends(pipeline_of)) -> dict
 
 @router.get("/metrics", tags=["health"])
 async def metrics(p: Pipeline = Depends(pipeline_of)) -> Response:
+    running = None  # the replicas running now (Ray's actor list), where known
+    with contextlib.suppress(Exception):
+        running = await asyncio.to_thread(serve_replicas)
     for model in p.model_names:  # fresh engine gauges; a busy or loading replica is skipped
         with contextlib.suppress(Exception):
-            for stats in await asyncio.wait_for(p.backend.stats(model), _STATS_TIMEOUT_S):
+            for stats in await asyncio.wait_for(p.backend.stats(model, running), _STATS_TIMEOUT_S):
                 p.metrics.update_stats(model, stats)
-    with contextlib.suppress(Exception):  # replicas that left stop counting (Ray's actor list)
-        p.metrics.forget_departed(await asyncio.to_thread(serve_replica_ids))
+    if running is not None:  # replicas that left stop counting
+        p.metrics.forget_departed(set().union(*running.values()))
     return Response(p.metrics.render(), media_type=CONTENT_TYPE)
 
 

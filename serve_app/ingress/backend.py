@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.ingress.availability import Availability
+from serve_app.ingress.replica_stats import stats_of_replicas
 from serve_app.messages import (
     DecodeRequest,
     EmbedRequest,
@@ -42,8 +43,7 @@ class Backend(Protocol):
 
     def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]: ...
 
-    async def stats(self, model: str) -> list[dict]:  # of the replicas one call reaches, by role
-        ...
+    async def stats(self, model: str, running: dict | None = None) -> list[dict]: ...  # by role
 
     async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection: ...
 
@@ -128,7 +128,7 @@ class LocalBackend(_Targets):
     def decode(self, model: str, req: DecodeRequest) -> AsyncIterator[ReplicaChunk]:
         return self.decode_replicas[model].decode(req)
 
-    async def stats(self, model: str) -> list[dict]:
+    async def stats(self, model: str, running: dict | None = None) -> list[dict]:
         return [await replica.stats() for replica in self.replicas_of(model)]
 
     async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection:
@@ -249,8 +249,8 @@ class RayBackend(_Targets):
             self._streaming[(name, model)] = method
         return method
 
-    async def stats(self, model: str) -> list[dict]:
-        return [await replica.stats.remote() for replica in self.replicas_of(model)]
+    async def stats(self, model: str, running: dict | None = None) -> list[dict]:
+        return await stats_of_replicas(self.replicas_of(model), running)
 
     async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection:
         response = self.embedding_replicas[endpoint].embed.remote(req)

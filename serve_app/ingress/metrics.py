@@ -226,14 +226,3 @@ _ENGINE_METRICS = (
 COUNTER_KEYS = [
     value.key for kind, _, _, value, _ in _ENGINE_METRICS if kind is CounterMetricFamily
 ]
-
-
-def serve_replica_ids() -> set[str] | None:
-    """The ids of the Ray Serve replicas running now (each replica's actor is named after its
-    id); None where Ray is not up in this process."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    names = (actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True))
-    return {name.rsplit("#", 1)[-1] for name in names if name.startswith("SERVE_REPLICA::")}

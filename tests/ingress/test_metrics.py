@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve_app.ingress.metrics import Metrics, serve_replica_ids
+from serve_app.ingress.metrics import Metrics
 
 
 def _lines(metrics: Metrics, name: str) -> list[str]:
@@ -84,7 +84,3 @@ def test_a_replica_that_left_stops_counting_and_its_counters_stay_in_the_sums():
     assert _lines(metrics, "npu_cache_usage_perc") == [
         'npu_cache_usage_perc{model_name="demo"} 0.0'
     ]
-
-
-def test_without_ray_who_runs_is_not_known():
-    assert serve_replica_ids() is None

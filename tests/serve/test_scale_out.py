@@ -16,7 +16,7 @@ import httpx
 import pytest
 from serve_helpers import LONG_MAX_TOKENS, SERVE_TEST_ARGS, deploy, engine_processes, kv_idle
 
-from serve_app.ingress.metrics import serve_replica_ids
+from serve_app.ingress.replica_stats import serve_replicas
 
 MODELS = ("demo", "demo-b")
 ARGS = copy.deepcopy(SERVE_TEST_ARGS)
@@ -241,7 +241,8 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
     assert len(survivors) == 2, "a surviving replica holds requests or KV blocks"
     # the ids the replicas report are their Ray Serve replica ids: what the ingress checks
     # against Ray's list of replicas to stop counting one that left
-    assert survivors <= serve_replica_ids(), (survivors, serve_replica_ids())
+    running = serve_replicas()[f"serve_app#{deployment}"]
+    assert survivors == running, (survivors, running)
     assert kv_idle(app, 30), "/metrics still counts requests or KV blocks"
 
 
