@@ -118,6 +118,42 @@ def bind_process(cores: Iterable[int] | None) -> None:
         raise _not_available(missing)
 
 
+def bind_descendants(cores: Iterable[int]) -> int:
+    """Every thread of this process's descendants that is still on the cores this one is on
+    (inherited: not bound since by themselves, as engine processes and replicas bind) onto
+    `cores`; the number of processes moved. Linux only (elsewhere 0)."""
+    cores = set(cores)
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return 0
+    unbound = os.sched_getaffinity(0)
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    moved, todo = 0, list(children.get(os.getpid(), ()))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, ())
+        try:
+            threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        hit = False
+        for tid in threads:
+            try:
+                if os.sched_getaffinity(tid) == unbound:
+                    os.sched_setaffinity(tid, cores)
+                    hit = True
+            except OSError:  # the thread ended, or is not ours to move
+                pass
+        moved += hit
+    return moved
+
+
 def check_cores(cores: Iterable[int]) -> None:
     """ValueError when one of `cores` is not among those this process may use, naming those."""
     missing = set(cores) - available_cores()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -17,6 +20,55 @@ from serve_app.placement import (
     resolve_cpus,
     serving_cores,
 )
+
+# A process that starts, as `python -m serve_app` starts Ray, a child that starts a child with a
+# second thread, and a child that binds itself to a core (an engine process); then moves its
+# descendants to the serving core and says where each thread of each is.
+DRIVER = """import json, os, subprocess, sys
+from serve_app.placement import bind_descendants
+serving, engine = int(sys.argv[1]), int(sys.argv[2])
+code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); print(1)"
+tree = "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); c.wait()"
+bound = f"import os, time; os.sched_setaffinity(0, {{{engine}}}); print(1, flush=True); "
+bound += "time.sleep(60)"
+procs = [subprocess.Popen([sys.executable, "-c", tree, code], stdout=subprocess.PIPE),
+         subprocess.Popen([sys.executable, "-c", bound], stdout=subprocess.PIPE)]
+for proc in procs:
+    proc.stdout.readline()
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+def cores(pid):
+    return [sorted(os.sched_getaffinity(int(t))) for t in sorted(os.listdir(f"/proc/{pid}/task"))]
+
+moved = bind_descendants({serving})
+(grandchild,) = children(procs[0].pid)
+print(json.dumps({"moved": moved, "tree": cores(procs[0].pid), "grandchild": cores(grandchild),
+                  "bound": cores(procs[1].pid), "itself": cores(os.getpid())}))
+for pid in [grandchild] + [p.pid for p in procs]:
+    os.kill(pid, 9)
+"""
+
+
+def test_bind_descendants_moves_what_inherited_the_cores_and_leaves_what_bound_itself():
+    """What `python -m serve_app` does once the app is up: Ray's processes and theirs (here a
+    child, its child and that one's thread) onto the serving cores; a process that bound itself
+    (an engine process) stays where it is, and so does the process that moves them."""
+    here = os.sched_getaffinity(0)
+    if len(here) < 2:
+        pytest.skip("needs two cores")
+    serving, engine = min(here), max(here)
+    run = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(serving), str(engine)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    where = json.loads(run.stdout)
+    assert where["moved"] == 2 and where["tree"] == [[serving]]
+    assert where["grandchild"] == [[serving]] * 2  # (it printed once its thread had started)
+    assert where["bound"] == [[engine]] and where["itself"] == [sorted(here)]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ also in the model (demo-tiny). Slow: a few minutes in all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -259,6 +260,7 @@ def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp
         _wait_ready_line(process, log, base)
         # the model replica's ready line says what num_cpus auto reserved for it
         assert re.search(r"ready on .*\d CPUs? reserved from Ray", log.read_text()), _tail(log)
+        _off_the_engines_cores(marker)
         model = "smollm2-135m-instruct"
         chat = _post(f"{base}/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": "What is the capital of "
@@ -307,6 +309,30 @@ def test_make_serve_answers_frees_a_dropped_stream_stops_and_quits_on_sigint(tmp
         _stops_on(process, signal.SIGINT, marker, log)
     finally:
         _stop(process)
+
+
+def _off_the_engines_cores(marker: str) -> None:
+    """Once it is up, no thread of Ray's processes or the replicas runs on the engine process's
+    cores (engineCpus auto: on 2 cores or more the engine has cores of its own); while it
+    started they loaded on every core."""
+    started = carrying(marker)
+    (engine,) = [pid for pid, command in started.items() if "_child_main" in command]
+    engine_cores = os.sched_getaffinity(engine)
+    if engine_cores == os.sched_getaffinity(0):
+        return  # one core: nothing is bound
+    for pid, command in started.items():
+        if pid != engine:
+            assert not any(cores & engine_cores for cores in _thread_cores(pid)), command
+
+
+def _thread_cores(pid: int) -> list[set[int]]:
+    """The cores each thread of the process may run on (those that end meanwhile left out)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                found.append(os.sched_getaffinity(int(tid)))
+    return found
 
 
 def _small_config(tmp_path: Path, name: str) -> tuple[Path, str]:
