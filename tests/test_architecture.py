@@ -155,24 +155,27 @@ def test_processes_without_a_model_do_not_import_the_model_code():
     # the ingress and the tokenizer pool start in every app and every scale-out, and a model
     # replica whose step loop runs in a child process (engineProcess, the default) holds no
     # model itself: importing transformers' modeling code with the engine's runner cost each
-    # ~5 s of CPU on 2 cores; the ingress does not even need torch (~2 s more)
+    # ~5 s of CPU on 2 cores; the ingress does not even need torch (~2 s more). Nor does the
+    # app's builder, which imports every replica's class: `python -m serve_app` waits for it
+    # while nothing else runs (~1.2 s)
     import subprocess
     import sys
 
     code = (
         "import sys, serve_app.ingress.deployment, serve_app.tokenizer.pool, serve_app.app\n"
+        "import serve_app.replica.model_replica, serve_app.replica.embedding_replica\n"
         "print('torch' in sys.modules)\n"
-        "import serve_app.replica.model_replica\n"  # its engine may run in a child process
         "heavy = ['serve_app.engine.backends.runner', 'transformers.modeling_utils']\n"
         "print([m for m in heavy if m in sys.modules])\n"
         "from serve_app.engine import LLM, SamplingParams\n"  # still there on first use
-        "print(LLM.__module__, SamplingParams.__module__)\n"
+        "from serve_app.embedding import Encoder\n"
+        "print(LLM.__module__, SamplingParams.__module__, Encoder.__module__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:3] == [
         "False",
         "[]",
-        "serve_app.engine.llm serve_app.engine.params",
+        "serve_app.engine.llm serve_app.engine.params serve_app.embedding.encoder",
     ]
 
 

@@ -10,6 +10,15 @@ fastapi, pydantic or ray: it is plain torch and transformers, usable and testabl
 """
 
 from serve_app.embedding.batcher import MicroBatcher
-from serve_app.embedding.encoder import Encoder, InputRefused
 
 __all__ = ["Encoder", "InputRefused", "MicroBatcher"]
+
+
+def __getattr__(name: str):
+    """The encoder's names, imported when first used: torch and transformers then load, not
+    where the app is only built (the builder imports the replica's class)."""
+    if name in ("Encoder", "InputRefused"):
+        from serve_app.embedding import encoder
+
+        return getattr(encoder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,6 +77,10 @@ class Encoder:
         ids = self.tokenize(texts, param)
         return self.embed(ids), [len(one) for one in ids]
 
+    @property
+    def num_threads(self) -> int:
+        return torch.get_num_threads()
+
     def tokenize(self, texts: list[str], param: str = "input") -> list[list[int]]:
         """Each text's token ids with the special tokens ([CLS] ... [SEP]), after the checks:
         a text must be valid Unicode, have some text besides the special tokens (an empty or

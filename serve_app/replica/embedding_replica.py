@@ -21,10 +21,8 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from serve_app.config import AppConfig
-from serve_app.embedding import Encoder, InputRefused, MicroBatcher
+from serve_app.embedding import MicroBatcher
 from serve_app.messages import EmbedRequest, EmbedResult, ErrorKind, Rejection
 from serve_app.models.loader import resolve_model_path
 from serve_app.placement import bind_process
@@ -53,6 +51,8 @@ class EmbeddingReplica:
             flush=True,
         )
         start = time.monotonic()
+        from serve_app.embedding.encoder import Encoder  # torch: here, not in the app's builder
+
         self.encoder = Encoder(resolve_model_path(entry.modelWeightPath), entry.maxBatchSize)
         self._batcher: MicroBatcher[EmbedRequest, EmbedResult | Rejection] = MicroBatcher(
             self._run, entry.maxBatchSize, size_of=lambda req: len(req.texts)
@@ -60,7 +60,7 @@ class EmbeddingReplica:
         print(
             f"embedding replica {self.replica_id}: {self.endpoint!r} ready "
             f"({self.encoder.dimensions} dimensions, inputs up to "
-            f"{self.encoder.max_input_tokens} tokens, {torch.get_num_threads()} torch threads) "
+            f"{self.encoder.max_input_tokens} tokens, {self.encoder.num_threads} torch threads) "
             f"in {time.monotonic() - start:.1f} s",
             flush=True,
         )
@@ -85,12 +85,14 @@ class EmbeddingReplica:
             "max_batch_size": self.encoder.max_batch_size,
             "num_batches": self._batcher.num_batches,
             "num_requests": self._batcher.num_items,
-            "num_threads": torch.get_num_threads(),
+            "num_threads": self.encoder.num_threads,
         }
 
     def _run(self, requests: list[EmbedRequest]) -> list[EmbedResult | Rejection]:
         """On the batcher's worker thread: each request checked on its own, then every
         accepted input embedded in shared passes and handed back to its request."""
+        from serve_app.embedding.encoder import InputRefused  # (loaded with the encoder)
+
         checked: list[list[list[int]] | Rejection] = []
         for req in requests:
             try:

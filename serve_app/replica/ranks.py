@@ -14,7 +14,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from serve_app.engine.backends.parallel.group import Rendezvous
+from serve_app.engine.backends.parallel.rendezvous import Rendezvous
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.host.async_engine import AsyncEngine
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import datetime
 import functools
-import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from serve_app.engine.backends.parallel.rendezvous import Rendezvous
 from serve_app.engine.errors import RankFailure
 
 # what the device's collectives run on
@@ -26,34 +25,6 @@ JOIN_LIMIT = datetime.timedelta(minutes=30)
 # how long a rank waits for rank 0's next order (an idle engine sends none); a rank that dies
 # ends its peers' waits at once (their sockets close)
 IDLE_LIMIT = datetime.timedelta(days=7)
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where the ranks meet: rank 0's host and a free port there."""
-
-    host: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @classmethod
-    def parse(cls, address: str) -> Rendezvous:
-        host, _, port = address.rpartition(":")
-        return cls(host, int(port))
-
-    @classmethod
-    def here(cls, host: str = "127.0.0.1") -> Rendezvous:
-        """A port free on `host` now (the group binds it moments later)."""
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return cls(host, s.getsockname()[1])
 
 
 def _collective(method):
