@@ -9,6 +9,7 @@ import torch
 from serve_app.engine.backends.base import Backend
 from serve_app.engine.backends.cpu import gemm, kernels, layers
 from serve_app.engine.backends.cpu.argmax import row_argmax
+from serve_app.engine.backends.cpu.commit import commit_later
 from serve_app.engine.backends.cpu.spare_cores import shared_chunks
 from serve_app.engine.backends.device import free_memory_bytes
 
@@ -46,9 +47,8 @@ class CPUBackend(Backend):
         if huge is None:
             return super().kv_zeros(shape)
         # on 2 MiB pages where the OS gives them (decode attention reads each sequence's blocks
-        # all over the cache: fewer TLB misses), written now so that the whole cache is held
-        # from the start, as torch.zeros holds it
-        return huge(list(shape), self.dtype).zero_()
+        # all over the cache: fewer TLB misses), held in full a few seconds after start-up
+        return commit_later(huge(list(shape), self.dtype))
 
     def kv_budget_bytes(self) -> int:
         return free_memory_bytes(self.device)

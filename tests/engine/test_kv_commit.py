@@ -1,0 +1,63 @@
+"""The CPU KV cache's memory: zeros from the start, its pages allocated by a thread of its own
+at the lowest priority rather than written in while the engine starts (backends/cpu/commit.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import time
+
+import pytest
+import torch
+
+from serve_app.engine.backends.cpu import commit
+from serve_app.engine.backends.cpu import kernels as cpu_kernels
+
+MIB = 1 << 20
+
+
+def _fresh(nbytes: int) -> torch.Tensor:
+    zeros = cpu_kernels.op("zeros_on_huge_pages")
+    if zeros is None:
+        pytest.skip("the kernels did not build on this machine")
+    return zeros([nbytes], torch.uint8)
+
+
+def _resident(tensor: torch.Tensor) -> int:
+    """How many of the tensor's pages are allocated now (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-tensor.nbytes // mmap.PAGESIZE)
+    vector = ctypes.create_string_buffer(pages)
+    assert libc.mincore(tensor.data_ptr(), tensor.nbytes, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector.raw)
+
+
+def _committed(tensor: torch.Tensor, timeout_s: float = 30) -> bool:
+    pages = -(-tensor.nbytes // mmap.PAGESIZE)
+    deadline = time.monotonic() + timeout_s
+    while _resident(tensor) < pages:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_cache_is_zeros_and_held_soon_without_being_written():
+    if commit._MADVISE is None or not commit._populate(_fresh(MIB), 1):
+        pytest.skip("this kernel does not allocate pages on request (Linux 5.14+)")
+    cache = _fresh(64 * MIB)
+    assert _resident(cache) == 0  # the kernel's fresh memory: nothing allocated yet
+    assert commit.commit_later(cache) is cache
+    cache[3 * MIB] = 7  # the engine may write KV before the thread gets there
+    assert _committed(cache), "the KV cache's pages were never allocated"
+    assert cache[3 * MIB] == 7 and int(cache.count_nonzero()) == 1  # allocated, not written
+
+
+def test_where_the_kernel_cannot_allocate_on_request_the_cache_is_written_in_at_once(
+    monkeypatch,
+):
+    monkeypatch.setattr(commit, "_MADVISE", None)
+    cache = _fresh(8 * MIB)
+    assert commit.commit_later(cache) is cache
+    assert _resident(cache) == -(-cache.nbytes // mmap.PAGESIZE) and not cache.any()
