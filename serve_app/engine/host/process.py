@@ -106,7 +106,7 @@ class EngineProcess:
         config: EngineConfig,
         deliver: Callable[[Items], None],
         on_exit: Callable[[str], None],
-        num_threads: int,
+        num_threads: int | None,
     ) -> None:
         self._deliver = deliver
         self._on_exit = on_exit
@@ -217,7 +217,8 @@ def _child_main(fd: int) -> None:
         bind_process(config.engine_cpus)
         import torch
 
-        torch.set_num_threads(len(config.engine_cpus) or num_threads)
+        if threads := len(config.engine_cpus) or num_threads:  # (None: torch's own default)
+            torch.set_num_threads(threads)
         from serve_app.engine.backends.cpu.spare_cores import lend_spare_cores
         from serve_app.engine.llm_engine import LLMEngine
         from serve_app.models.loader import resolve_model_path
