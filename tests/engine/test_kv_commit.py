@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -61,3 +63,25 @@ def test_where_the_kernel_cannot_allocate_on_request_the_cache_is_written_in_at_
     cache = _fresh(8 * MIB)
     assert commit.commit_later(cache) is cache
     assert _resident(cache) == -(-cache.nbytes // mmap.PAGESIZE) and not cache.any()
+
+
+def test_a_cache_waiting_for_its_turn_is_not_held_alive(monkeypatch):
+    """The committing thread holds no cache alive but the one it commits: one freed before its
+    turn (an engine stopped at once) is unmapped then, not committed later."""
+    gate = threading.Event()
+
+    def populate(tensor, nbytes=None):  # the kernel allocates on request; a commit waits
+        if nbytes is None:
+            gate.wait(30)
+        return True
+
+    monkeypatch.setattr(commit, "_populate", populate)
+    try:
+        first, second = _fresh(MIB), _fresh(MIB)
+        commit.commit_later(first)  # the thread takes it and waits at the gate
+        commit.commit_later(second)
+        freed = weakref.ref(second)
+        del second
+        assert freed() is None
+    finally:
+        gate.set()

@@ -20,13 +20,14 @@ import logging
 import os
 import queue
 import threading
+import weakref
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
-_pending: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+_pending: queue.SimpleQueue[weakref.ref[torch.Tensor]] = queue.SimpleQueue()
 _worker: threading.Thread | None = None
 _lock = threading.Lock()
 
@@ -60,7 +61,7 @@ def commit_later(tensor: torch.Tensor) -> torch.Tensor:
     if not _populate(tensor, 1):
         return tensor.zero_()
     with _lock:
-        _pending.put(tensor)
+        _pending.put(weakref.ref(tensor))  # (a cache freed before its turn is skipped)
         if _worker is None:
             _worker = threading.Thread(target=_commit, name="kv-commit", daemon=True)
             _worker.start()
@@ -71,7 +72,7 @@ def _commit() -> None:
     with contextlib.suppress(AttributeError, OSError):  # (SCHED_IDLE: Linux)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     while True:
-        tensor = _pending.get()  # held until committed: freed meanwhile, its pages could be reused
-        if not _populate(tensor):
+        tensor = _pending.get()()  # held while it is committed (freed, its pages could be reused)
+        if tensor is not None and not _populate(tensor):
             logger.debug("committing %d bytes of KV cache failed", tensor.nbytes)
         del tensor
