@@ -27,9 +27,9 @@ from serve_app.engine.backends.metadata import build_metadata
 from serve_app.engine.backends.parallel import kv as parallel_kv
 from serve_app.engine.backends.parallel import plan
 from serve_app.engine.backends.parallel.group import RankGroup
-from serve_app.engine.backends.parallel.rendezvous import Rendezvous
 from serve_app.engine.backends.parallel.load import load_part
 from serve_app.engine.backends.parallel.local import LocalRanks
+from serve_app.engine.backends.parallel.rendezvous import Rendezvous
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.errors import RankFailure
 from serve_app.engine.kv_transfer import KVPayload
