@@ -39,8 +39,6 @@ class EmbeddingReplica:
     def __init__(self, config: AppConfig, index: int = 0, off_engine_cores: bool = False) -> None:
         if not 0 <= index < len(config.EmbeddingConfig):
             raise IndexError(f"EmbeddingConfig has no item {index}")
-        if off_engine_cores:
-            bind_process(config.serving_cores())
         entry = config.EmbeddingConfig[index]
         self.endpoint = entry.endpointName
         self.replica_id = replica_id()
@@ -57,6 +55,8 @@ class EmbeddingReplica:
         self._batcher: MicroBatcher[EmbedRequest, EmbedResult | Rejection] = MicroBatcher(
             self._run, entry.maxBatchSize, size_of=lambda req: len(req.texts)
         )
+        if off_engine_cores:  # loaded on every core (while the app starts), served on these
+            bind_process(config.serving_cores())
         print(
             f"embedding replica {self.replica_id}: {self.endpoint!r} ready "
             f"({self.encoder.dimensions} dimensions, inputs up to "

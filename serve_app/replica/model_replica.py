@@ -72,8 +72,6 @@ class ModelReplica:
         self.kv_loss_policy = kv_loss_policy
         self.num_kv_lost = 0  # decode: hand-offs whose KV could not be fetched
         engine_config = app_config.engine_config(model_index, role)
-        if off_engine_cores and engine_config.engine_cpus:
-            bind_process(app_config.serving_cores())
         self.limits = TokenLimits.of(app_config)
         self.model_name = engine_config.model_name
         self.replica_id = replica_id()
@@ -87,6 +85,8 @@ class ModelReplica:
         )
         start = time.monotonic()
         self.engine, self.ranks = start_engine(engine_config)  # worldSize > 1: ranks as actors
+        if off_engine_cores and engine_config.engine_cpus:  # loaded on every core, served on these
+            bind_process(app_config.serving_cores())
         self.metrics = ReplicaMetrics(self.model_name, role, self.engine.stats)  # per replica
         self.tokenizer = self.engine.tokenizer
         info = self.engine.info

@@ -39,8 +39,6 @@ class TokenizerPool:
         off_engine_cores: bind this process to the cores no engine process is bound to
         (ModelConfig engineCpus); the app builder asks for it, in-process users do not."""
         config = config or AppConfig()
-        if off_engine_cores:
-            bind_process(config.serving_cores())
         self._models: dict[str, _Model] = {}
         for model in config.BackendConfig.ModelDeployConfig.ModelConfig:
             path = resolve_model_path(model.modelWeightPath)
@@ -51,6 +49,8 @@ class TokenizerPool:
             self._models[model.modelName] = _Model(
                 load_tokenizer(path), limits, vocab_size, max_pos
             )
+        if off_engine_cores:  # loaded on every core (while the app starts), served on these
+            bind_process(config.serving_cores())
 
     def model_names(self) -> list[str]:
         return list(self._models)
