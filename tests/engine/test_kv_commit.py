@@ -45,23 +45,37 @@ def _committed(tensor: torch.Tensor, timeout_s: float = 30) -> bool:
     return True
 
 
+def _backend():
+    from serve_app.engine.backends.cpu import CPUBackend
+    from serve_app.engine.config import EngineConfig
+
+    config = EngineConfig(model="demo-tiny", dtype="float32", num_kv_blocks=64)
+    return CPUBackend(config, torch.device("cpu"), torch.float32)
+
+
 def test_the_cache_is_zeros_and_held_soon_without_being_written():
-    if commit._MADVISE is None or not commit._populate(_fresh(MIB), 1):
+    if not commit._kernel_commits():
         pytest.skip("this kernel does not allocate pages on request (Linux 5.14+)")
-    cache = _fresh(64 * MIB)
-    assert _resident(cache) == 0  # the kernel's fresh memory: nothing allocated yet
-    assert commit.commit_later(cache) is cache
-    cache[3 * MIB] = 7  # the engine may write KV before the thread gets there
-    assert _committed(cache), "the KV cache's pages were never allocated"
-    assert cache[3 * MIB] == 7 and int(cache.count_nonzero()) == 1  # allocated, not written
+    backend = _backend()
+    if cpu_kernels.op("zeros_on_huge_pages") is None:
+        pytest.skip("the kernels did not build on this machine")
+    caches = [(backend.kv_zeros((1024, 8, 16, 64)), backend.kv_zeros((1024, 8, 16, 64)))]
+    k, v = caches[0]
+    assert _resident(k) == _resident(v) == 0  # the kernel's fresh memory: nothing allocated yet
+    k[3, 1, 2, 5] = 7.0  # the engine may write KV before the thread gets there
+    backend.hold_kv(caches)
+    assert _committed(k) and _committed(v), "the KV cache's pages were never allocated"
+    assert k[3, 1, 2, 5] == 7.0 and int(k.count_nonzero()) == 1 and not v.any()
 
 
 def test_where_the_kernel_cannot_allocate_on_request_the_cache_is_written_in_at_once(
     monkeypatch,
 ):
-    monkeypatch.setattr(commit, "_MADVISE", None)
-    cache = _fresh(8 * MIB)
-    assert commit.commit_later(cache) is cache
+    monkeypatch.setattr(commit, "_kernel_commits", lambda: False)
+    backend = _backend()
+    if cpu_kernels.op("zeros_on_huge_pages") is None:
+        pytest.skip("the kernels did not build on this machine")
+    cache = backend.kv_zeros((256, 8, 16, 64))
     assert _resident(cache) == -(-cache.nbytes // mmap.PAGESIZE) and not cache.any()
 
 
@@ -70,16 +84,15 @@ def test_a_cache_waiting_for_its_turn_is_not_held_alive(monkeypatch):
     turn (an engine stopped at once) is unmapped then, not committed later."""
     gate = threading.Event()
 
-    def populate(tensor, nbytes=None):  # the kernel allocates on request; a commit waits
-        if nbytes is None:
-            gate.wait(30)
+    def populate(address, nbytes):  # every request waits at the gate
+        gate.wait(30)
         return True
 
     monkeypatch.setattr(commit, "_populate", populate)
     try:
         first, second = _fresh(MIB), _fresh(MIB)
-        commit.commit_later(first)  # the thread takes it and waits at the gate
-        commit.commit_later(second)
+        commit.commit_later([first])  # the thread takes it and waits at the gate
+        commit.commit_later([second])
         freed = weakref.ref(second)
         del second
         assert freed() is None

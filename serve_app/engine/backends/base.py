@@ -45,8 +45,13 @@ class Backend:
         return lm_head
 
     def kv_zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """One K or V tensor of the paged cache, zeroed and held from the start."""
+        """One K or V tensor of the paged cache, zeroed and held from the start (or by
+        `hold_kv`)."""
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def hold_kv(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The whole cache is allocated: where kv_zeros left its memory to be allocated as it
+        is written, have it allocated (in the background: backends/cpu/commit.py)."""
 
     def kv_budget_bytes(self) -> int:
         """Memory the KV pool may take when the config sizes it by neither blocks nor GB."""

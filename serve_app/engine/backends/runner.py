@@ -85,6 +85,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()  # the pool's; a scratch block more with graphs
         graphs = self.backend.wants_decode_graphs() and self.ranks is None
         self.kv_caches = self._allocate_kv(self.num_blocks + int(graphs))
+        self.backend.hold_kv(self.kv_caches)
         self.decode_graphs = self._capture_decode_graphs() if graphs else None
 
     # -- set-up ---------------------------------------------------------------------------------

@@ -7,9 +7,8 @@ from __future__ import annotations
 import torch
 
 from serve_app.engine.backends.base import Backend
-from serve_app.engine.backends.cpu import gemm, kernels, layers
+from serve_app.engine.backends.cpu import commit, gemm, kernels, layers
 from serve_app.engine.backends.cpu.argmax import row_argmax
-from serve_app.engine.backends.cpu.commit import commit_later
 from serve_app.engine.backends.cpu.spare_cores import shared_chunks
 from serve_app.engine.backends.device import free_memory_bytes
 
@@ -47,8 +46,13 @@ class CPUBackend(Backend):
         if huge is None:
             return super().kv_zeros(shape)
         # on 2 MiB pages where the OS gives them (decode attention reads each sequence's blocks
-        # all over the cache: fewer TLB misses), held in full a few seconds after start-up
-        return commit_later(huge(list(shape), self.dtype))
+        # all over the cache: fewer TLB misses): the kernel's zeros, allocated as they are
+        # written or by hold_kv's thread; written in now where the kernel cannot do that
+        cache = huge(list(shape), self.dtype)
+        return cache if commit.can_commit(cache) else cache.zero_()
+
+    def hold_kv(self, caches):
+        commit.commit_later([t for pair in caches for t in pair if commit.can_commit(t)])
 
     def kv_budget_bytes(self) -> int:
         return free_memory_bytes(self.device)
