@@ -42,5 +42,8 @@ def test_without_the_running_replicas_one_call():
     assert _ids(asyncio.run(stats_of_each(handle.call, None))) == ["a"] and handle.calls == 1
 
 
-def test_without_ray_who_runs_is_not_known():
+def test_without_ray_who_runs_is_not_known(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # (a test worker may have Ray up)
     assert serve_replicas() is None

@@ -37,9 +37,14 @@ def test_a_model_replica_killed_mid_stream_ends_the_stream_and_is_replaced(app):
     (replica,) = actors("ModelReplica")
     events, ended_s = stream_until_fault(app, lambda: kill(replica))
     assert ended_s < ERROR_WITHIN_S
-    error = events[-1]["error"]
-    assert "a replica serving the request failed" in error["message"]
-    assert "request id" in error["message"] and "Traceback" not in error["message"]
+    error = events[-1]["error"]["message"]
+    # the ingress says the replica failed; or the replica itself said first that its engine
+    # process exited: Ray kills a worker's child processes as it kills the worker, and the
+    # replica may see its engine go in the moment before it goes itself
+    assert (
+        "a replica serving the request failed" in error and "request id" in error
+    ) or "engine process exited" in error, error
+    assert "Traceback" not in error
     serves_again(app)
     assert [a["name"] for a in actors("ModelReplica")] != [replica["name"]]  # a new one
 
