@@ -52,7 +52,8 @@ class CPUBackend(Backend):
         return cache if commit.can_commit(cache) else cache.zero_()
 
     def hold_kv(self, caches):
-        commit.commit_later([t for pair in caches for t in pair if commit.can_commit(t)])
+        if kernels.op("zeros_on_huge_pages") is not None:  # (else torch.zeros': held already)
+            commit.commit_later([t for pair in caches for t in pair if commit.can_commit(t)])
 
     def kv_budget_bytes(self) -> int:
         return free_memory_bytes(self.device)
