@@ -20,6 +20,7 @@ that port, as `serve run` does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -31,7 +32,13 @@ import yaml
 
 from serve_app.config import ConfigError, load_config
 from serve_app.deployment_options import METRICS_INTERVAL, SERVE_FAST_PATH_ENV
-from serve_app.placement import bind_descendants, bind_process, resolve_cpus, serving_cores
+from serve_app.placement import (
+    bind_descendants,
+    bind_process,
+    descendants,
+    resolve_cpus,
+    serving_cores,
+)
 
 
 def main() -> None:
@@ -81,7 +88,7 @@ def main() -> None:
         # Ray Serve still starts its proxy; it moves to a free port out of the way
         proxy_http = {**http, "port": _free_port(http["host"])}
     _quiet_ray_background()
-    ray.init(include_dashboard=False, logging_level="WARNING")
+    _start_ray()
     serve.start(proxy_location=spec.get("proxy_location", "HeadOnly"), http_options=proxy_http)
     print("serve_app: starting (a built-in model is built into the cache on its first use) ...")
     for app in apps:
@@ -110,6 +117,58 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# What ray.init raises when its raylet did not register within the 30 s Ray allows it (fixed in
+# Ray's code): the raylet waits for its dashboard agent, whose imports alone can take that long
+# on a busy 2-core machine.
+RAY_SLOW_START = "timed out during startup"
+
+
+def _start_ray(tries: int = 2) -> None:
+    """A local Ray instance for this command; started again (once by default) when its node was
+    too slow to register, after stopping what the failed start left running (its GCS, raylet
+    and agents are this process's children, which ray.shutdown does not know of)."""
+    import ray
+
+    for attempt in range(1, tries + 1):
+        try:
+            ray.init(include_dashboard=False, logging_level="WARNING")
+            return
+        except Exception as exc:
+            if RAY_SLOW_START not in str(exc) or attempt == tries:
+                raise
+        print(
+            "serve_app: Ray's node did not register within 30 s (a busy machine): "
+            "starting Ray again",
+            flush=True,
+        )
+        ray.shutdown()
+        _kill_descendants()
+
+
+def _kill_descendants(wait_s: float = 10) -> None:
+    """SIGKILL to every process below this one; waits (reaping our children) until they are
+    gone."""
+    left = descendants()
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while left and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ChildProcessError):  # not our child: init reaps it
+                os.waitpid(pid, os.WNOHANG)
+        left = [pid for pid in left if _alive(pid)]
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _run_options(spec: dict, app: dict) -> dict:

@@ -118,14 +118,11 @@ def bind_process(cores: Iterable[int] | None) -> None:
         raise _not_available(missing)
 
 
-def bind_descendants(cores: Iterable[int]) -> int:
-    """Every thread of this process's descendants that is still on the cores this one is on
-    (inherited: not bound since by themselves, as engine processes and replicas bind) onto
-    `cores`; the number of processes moved. Linux only (elsewhere 0)."""
-    cores = set(cores)
-    if not cores or not hasattr(os, "sched_setaffinity"):
-        return 0
-    unbound = os.sched_getaffinity(0)
+def descendants(pid: int | None = None) -> list[int]:
+    """The process ids of every process below `pid` (this one by default), children first.
+    Linux only (elsewhere none)."""
+    if not os.path.isdir("/proc"):
+        return []
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -134,10 +131,23 @@ def bind_descendants(cores: Iterable[int]) -> int:
         except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
         children.setdefault(ppid, []).append(int(entry))
-    moved, todo = 0, list(children.get(os.getpid(), ()))
+    found, todo = [], list(children.get(os.getpid() if pid is None else pid, ()))
     while todo:
-        pid = todo.pop()
-        todo += children.get(pid, ())
+        found.append(todo.pop(0))
+        todo += children.get(found[-1], ())
+    return found
+
+
+def bind_descendants(cores: Iterable[int]) -> int:
+    """Every thread of this process's descendants that is still on the cores this one is on
+    (inherited: not bound since by themselves, as engine processes and replicas bind) onto
+    `cores`; the number of processes moved. Linux only (elsewhere 0)."""
+    cores = set(cores)
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return 0
+    unbound = os.sched_getaffinity(0)
+    moved = 0
+    for pid in descendants():
         try:
             threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:

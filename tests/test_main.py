@@ -132,3 +132,42 @@ def test_host_overrides_the_files_http_options():
     assert main._http_options(spec) == {"host": "127.0.0.1", "port": 9000}
     assert main._http_options(spec, "0.0.0.0") == {"host": "0.0.0.0", "port": 9000}
     assert main._http_options({}) == {"host": "127.0.0.1", "port": 8000}
+
+
+def test_a_ray_node_too_slow_to_register_is_started_again_with_nothing_left_of_it(monkeypatch):
+    """ray.init gives its raylet 30 s to register (on a busy 2-core machine its dashboard agent
+    alone took longer): the command stops what that start left running and starts Ray again."""
+    import subprocess
+    import sys
+
+    import ray
+
+    calls, started = [], []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:  # what a failed start leaves: its processes, our children
+            started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    main._start_ray()
+    assert len(calls) == 2
+    # killed and reaped (its pid may not be reused this soon)
+    assert not main._alive(started[0].pid) and started[0].pid not in main.descendants()
+
+
+def test_any_other_failure_of_ray_init_is_raised_at_once(monkeypatch):
+    import ray
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("Maybe you called ray.init twice by accident?")
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(RuntimeError, match="twice"):
+        main._start_ray()
+    assert len(calls) == 1
