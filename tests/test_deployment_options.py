@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from serve_app.config import ConfigError, load_config
@@ -112,7 +114,10 @@ def test_autoscaling_targets_the_engines_batch_unless_the_user_says():
     )
     options = model_replica_options(auto, 0, {"CPU": 2})
     assert options["num_replicas"] == "auto"
-    assert options["autoscaling_config"] == {"target_ongoing_requests": 48}
+    # the load reaches the autoscaler every 2 s, not Ray Serve's 10
+    assert options["autoscaling_config"] == {
+        "target_ongoing_requests": 48, "metrics_interval_s": 2.0
+    }  # fmt: skip
     own = {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
     }
@@ -125,6 +130,17 @@ def test_autoscaling_targets_the_engines_batch_unless_the_user_says():
     )
     decode = model_replica_options(mine, 0, {"CPU": 2}, role="decode")
     assert decode["autoscaling_config"]["target_ongoing_requests"] == 8
+    # and always below a window the user shortened, as Ray Serve requires (a warning today)
+    quick = load_config(
+        {"Deployments": {"ModelReplica": {"autoscaling_config": {"look_back_period_s": 1}}}}
+    )
+    scaling = model_replica_options(quick, 0, {"CPU": 2})["autoscaling_config"]
+    assert scaling["metrics_interval_s"] == 0.5
+    from ray.serve.config import AutoscalingConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        AutoscalingConfig(**scaling)
     plain = model_replica_options(load_config({}), 0, {"CPU": 2})
     assert "autoscaling_config" not in plain and plain["num_replicas"] == 1
 

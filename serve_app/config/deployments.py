@@ -42,7 +42,8 @@ class DeploymentOptions(Section):
         description=(
             "Ray Serve autoscaling_config (min_replicas, max_replicas, ...); on a model replica "
             "deployment target_ongoing_requests defaults to ScheduleConfig.maxBatchSize, the "
-            "requests one engine runs at once."
+            "requests one engine runs at once, and metrics_interval_s (how often the load is "
+            "reported) to 2 s, below look_back_period_s."
         ),
         json_schema_extra=acts(),
     )

@@ -34,14 +34,11 @@ SCALING = {
     "min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 8, "upscale_delay_s": 0,
     "downscale_delay_s": 15, "look_back_period_s": 1,
 }  # fmt: skip
-# The ingress replicas' handles report their load to Serve's autoscaler each second (10 s by
-# default: the scaling decisions would lag the load by up to that), and their routers trust a
-# replica's last known queue length for 1 s (10 s by default: a replica busy at the burst's end
-# would look busy, and get no stream, for that long after it is idle)
-INGRESS_ROUTING_ENV = {
-    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-    "RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "1",
-}
+# The ingress replicas' routers trust a replica's last known queue length for 1 s (Ray Serve's
+# default, 10 s: a replica busy at the burst's end would look busy, and get no stream, for that
+# long after it is idle); their handles report the load to the autoscaler every 0.5 s (the app
+# keeps that below look_back_period_s)
+INGRESS_ROUTING_ENV = {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "1"}
 ARGS["Deployments"] = {
     "Ingress": {"num_replicas": 2,
                 "ray_actor_options": {"runtime_env": {"env_vars": INGRESS_ROUTING_ENV}}},
