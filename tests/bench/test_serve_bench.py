@@ -11,14 +11,14 @@ import random
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from bench import serve_report as sr
-from serve_app.config import load_config
+from tests.ingress.conftest import local_app
+from tests.ingress.conftest import served as served_app
 from tests.stepping import Stepping
 
 CONFIG = {
@@ -47,33 +47,11 @@ def sb(load_bench):
 def served():
     """(base URL, model replica): the app on 127.0.0.1:<free port>, served by uvicorn in a
     background thread."""
-    import uvicorn
-
-    from serve_app.ingress.app import create_app
-    from serve_app.ingress.backend import LocalBackend
-    from serve_app.replica.model_replica import ModelReplica
-    from serve_app.tokenizer.pool import TokenizerPool
-
-    config = load_config(CONFIG)
-    replica = ModelReplica(config)
-    app = create_app(config, LocalBackend(TokenizerPool(config), {"demo": replica}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    app, replica = local_app(CONFIG)
     try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/v1", replica
+        with served_app(app) as url:
+            yield f"{url}/v1", replica
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         replica.shutdown()
 
 
