@@ -10,7 +10,6 @@ from pydantic import Field
 
 from serve_app.ingress.metrics import CONTENT_TYPE
 from serve_app.ingress.pipeline import Pipeline, pipeline_of
-from serve_app.ingress.replica_stats import serve_replicas
 from serve_app.messages import ErrorKind
 from serve_app.protocol.errors import APIError
 from serve_app.protocol.fields import RequestModel
@@ -82,7 +81,7 @@ async def model_metadata(model: str, p: Pipeline = Depends(pipeline_of)) -> dict
 async def metrics(p: Pipeline = Depends(pipeline_of)) -> Response:
     running = None  # the replicas running now (Ray's actor list), where known
     with contextlib.suppress(Exception):
-        running = await asyncio.to_thread(serve_replicas)
+        running = await p.backend.running()
     for model in p.model_names:  # fresh engine gauges; a busy or loading replica is skipped
         with contextlib.suppress(Exception):
             for stats in await asyncio.wait_for(p.backend.stats(model, running), _STATS_TIMEOUT_S):

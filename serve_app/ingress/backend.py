@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from serve_app.ingress.availability import Availability
-from serve_app.ingress.replica_stats import stats_of_replicas
+from serve_app.ingress.replica_stats import serve_replicas, stats_of_replicas
 from serve_app.messages import (
     DecodeRequest,
     EmbedRequest,
@@ -45,6 +45,8 @@ class Backend(Protocol):
 
     async def stats(self, model: str, running: dict | None = None) -> list[dict]: ...  # by role
 
+    async def running(self) -> dict[str, set[str]] | None: ...  # Ray's replicas; None: unknown
+
     async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection: ...
 
     async def ready(self) -> bool: ...
@@ -61,8 +63,7 @@ class Backend(Protocol):
 
 
 class _Targets:
-    """The tokenizer pool, per model name the replicas of each role, and per embedding
-    endpoint name its embedding replicas."""
+    """The tokenizer pool, each model's replicas by role, each embedding endpoint's."""
 
     def __init__(
         self,
@@ -84,6 +85,9 @@ class _Targets:
 
     async def unavailable(self, model: str) -> str | None:
         return await self.availability.unavailable(model) if self.availability else None
+
+    async def running(self) -> dict[str, set[str]] | None:
+        return None  # in process: no replica comes or goes
 
     def replicas_of(self, model: str) -> list:
         groups = (self.replicas, self.prefill_replicas, self.decode_replicas)
@@ -113,8 +117,7 @@ class _Targets:
 
 
 class LocalBackend(_Targets):
-    """Plain TokenizerPool, ModelReplica and EmbeddingReplica objects in this process (tests,
-    offline use)."""
+    """Plain TokenizerPool, ModelReplica and EmbeddingReplica objects in process (tests)."""
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
         return await self.tokenizer_pool.tokenize(req)
@@ -160,8 +163,8 @@ class RayBackend(_Targets):
         stop_registry: Any = None,
         token_inbox: TokenInbox | None = None,
     ) -> None:
-        """token_inbox: the ingress's token socket, through which replicas on its node send
-        the chunks of every request (None: each chunk is a Ray message of its own)."""
+        """token_inbox: the ingress's token socket, for the chunks of replicas on its node
+        (None: each chunk is a Ray message of its own)."""
         super().__init__(tokenizer_pool, replicas, prefill, decode, embedding, stop_registry)
         self.app_name = app_name
         self.replica_deployments: list[str] = []  # names checked by ready(); set by the builder
@@ -171,12 +174,9 @@ class RayBackend(_Targets):
         self._streaming: dict[tuple[str, str], Any] = {}  # (method, model) -> its handle
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizedPrompt | Rejection:
-        """Tokenizing has no side effect: a pool replica that died under the call is retried
-        once on another; if that fails too, the request is refused as unavailable (503).
-
-        A prompt of token ids needs no tokenizer, only its model's limits: once the pool has
-        told this ingress those (one call per model), such a prompt is checked here by the
-        pool's own function, a round trip to the pool less per request."""
+        """A pool replica that died under the call is retried once on another, then the request
+        is refused as unavailable (503). A prompt of token ids needs only its model's limits:
+        known from the pool (one call per model), it is checked here by the pool's function."""
         from ray.exceptions import RayActorError
 
         if req.kind == "token_ids" and not req.counting:
@@ -226,9 +226,8 @@ class RayBackend(_Targets):
         try:
             return await response
         except asyncio.CancelledError:
-            # Awaiting a DeploymentResponse does not cancel it when the caller is cancelled
-            # (stopInfer, timeout, client gone): cancel it, so the prefill replica aborts the
-            # request and frees its blocks now rather than when the prefill would finish.
+            # awaiting a DeploymentResponse does not cancel it with its caller (stopInfer,
+            # timeout, client gone): the prefill replica aborts it and frees its blocks now
             response.cancel()
             raise
 
@@ -239,9 +238,8 @@ class RayBackend(_Targets):
         return _stream(method.remote(req))
 
     def _streaming_method(self, name: str, model: str) -> Any:
-        """The streaming handle of `name` ("generate": the colocated replicas, "decode") for
-        `model`, made once: a handle's `options()` and each method lookup build a new handle
-        (its options copied), on the ingress's CPU for every request."""
+        """The streaming handle of `name` ("generate": colocated, "decode") for `model`, made
+        once: `options()` and each method lookup build a new handle, on every request."""
         method = self._streaming.get((name, model))
         if method is None:
             handles = self.replicas if name == "generate" else self.decode_replicas
@@ -251,6 +249,9 @@ class RayBackend(_Targets):
 
     async def stats(self, model: str, running: dict | None = None) -> list[dict]:
         return await stats_of_replicas(self.replicas_of(model), running)
+
+    async def running(self) -> dict[str, set[str]] | None:
+        return await asyncio.to_thread(serve_replicas)
 
     async def embed(self, endpoint: str, req: EmbedRequest) -> EmbedResult | Rejection:
         response = self.embedding_replicas[endpoint].embed.remote(req)
@@ -270,8 +271,7 @@ class RayBackend(_Targets):
         return await self.stop_registry.stop_held.remote(key)
 
     async def ready(self) -> bool:
-        """True once every model and embedding replica deployment is HEALTHY (all replicas
-        loaded)."""
+        """True once every model and embedding replica deployment is HEALTHY (all loaded)."""
         from ray import serve
 
         try:

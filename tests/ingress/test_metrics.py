@@ -84,3 +84,24 @@ def test_a_replica_that_left_stops_counting_and_its_counters_stay_in_the_sums():
     assert _lines(metrics, "npu_cache_usage_perc") == [
         'npu_cache_usage_perc{model_name="demo"} 0.0'
     ]
+
+
+def test_an_app_in_process_counts_its_replicas_while_ray_runs_other_replicas(client, monkeypatch):
+    """Ray's list of running replicas is about replicas over Ray: an app whose replicas are in
+    its own process (a test worker that also started Ray, an offline tool) keeps counting
+    its own, not treating them as departed."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    actor = {"name": "SERVE_REPLICA::serve_app#ModelReplica-demo#abc123", "namespace": "serve"}
+    monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces=False: [actor])
+
+    def queries() -> float:
+        text = client.get("/metrics").text
+        lines = [x for x in text.splitlines() if x.startswith("prefix_cache_queries_total{")]
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+    before = queries()
+    body = {"model": "demo", "prompt": "x " * 40, "max_tokens": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert queries() > before
