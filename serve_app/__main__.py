@@ -132,6 +132,7 @@ def _start_ray(tries: int = 2) -> None:
     import ray
 
     for attempt in range(1, tries + 1):
+        before = set(descendants())
         try:
             ray.init(include_dashboard=False, logging_level="WARNING")
             return
@@ -144,22 +145,21 @@ def _start_ray(tries: int = 2) -> None:
             flush=True,
         )
         ray.shutdown()
-        _kill_descendants()
+        _kill([pid for pid in descendants() if pid not in before])
 
 
-def _kill_descendants(wait_s: float = 10) -> None:
-    """SIGKILL to every process below this one; waits (reaping our children) until they are
+def _kill(pids: list[int], wait_s: float = 10) -> None:
+    """SIGKILL to these processes; waits (reaping those that are our children) until they are
     gone."""
-    left = descendants()
-    for pid in left:
+    for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while left and time.monotonic() < deadline:
-        for pid in left:
+    while pids and time.monotonic() < deadline:
+        for pid in pids:
             with contextlib.suppress(ChildProcessError):  # not our child: init reaps it
                 os.waitpid(pid, os.WNOHANG)
-        left = [pid for pid in left if _alive(pid)]
+        pids = [pid for pid in pids if _alive(pid)]
         time.sleep(0.05)
 
 

@@ -152,7 +152,15 @@ def test_a_ray_node_too_slow_to_register_is_started_again_with_nothing_left_of_i
 
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    main._start_ray()
+    # a child of ours from before (a test worker may have a Ray of its own): not the failed
+    # start's, left alone
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        main._start_ray()
+        assert ours.poll() is None
+    finally:
+        ours.kill()
+        ours.wait()
     assert len(calls) == 2
     # killed and reaped (its pid may not be reused this soon)
     assert not main._alive(started[0].pid) and started[0].pid not in main.descendants()
