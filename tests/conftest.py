@@ -81,6 +81,23 @@ def pytest_xdist_make_scheduler(config, log):
                     self.workqueue.move_to_end(unit, last=False)
             super()._assign_work_unit(node)
 
+        def remove_node(self, node) -> str | None:
+            # as xdist's own, but the test a crashed worker was running is reported failed
+            # and not handed out again: xdist's put it back in its unit, so each replacement
+            # worker ran it again (and crashed again, where the test itself crashes), and once
+            # it passed the run waited forever for a result it had already counted
+            workload = self.assigned_work.pop(node)
+            pending = [(s, test) for s, unit in workload.items() for test, done in unit.items()
+                       if not done]  # fmt: skip
+            if not pending:
+                return None
+            scope, crashed = pending[0]
+            workload[scope][crashed] = True
+            self.workqueue.update({s: u for s, u in workload.items() if not all(u.values())})
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
     return ByFileRayTogether(config, log)
 
 
