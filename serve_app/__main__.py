@@ -134,7 +134,10 @@ def _start_ray(tries: int = 2) -> None:
     for attempt in range(1, tries + 1):
         before = set(descendants())
         try:
-            ray.init(include_dashboard=False, logging_level="WARNING")
+            # a Ray instance of its own (not the last `ray start`'s, which Ray would join, and
+            # which may be long gone), unless the user names one in RAY_ADDRESS
+            address = os.environ.get("RAY_ADDRESS") or "local"
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING")
             return
         except Exception as exc:
             if RAY_SLOW_START not in str(exc) or attempt == tries:

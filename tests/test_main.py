@@ -179,3 +179,17 @@ def test_any_other_failure_of_ray_init_is_raised_at_once(monkeypatch):
     with pytest.raises(RuntimeError, match="twice"):
         main._start_ray()
     assert len(calls) == 1
+
+
+def test_ray_is_started_here_unless_ray_address_names_one(monkeypatch):
+    """Not the cluster of the last `ray start` on this machine (Ray's default, which tries a
+    cluster that may have died, leaving its address behind)."""
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs["address"]))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    main._start_ray()
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    main._start_ray()
+    assert calls == ["local", "10.0.0.5:6379"]
