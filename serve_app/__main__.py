@@ -126,9 +126,10 @@ RAY_SLOW_START = "timed out during startup"
 
 
 def _start_ray(tries: int = 2) -> None:
-    """A local Ray instance for this command; started again (once by default) when its node was
-    too slow to register, after stopping what the failed start left running (its GCS, raylet
-    and agents are this process's children, which ray.shutdown does not know of)."""
+    """Ray for this command: an instance of its own (or RAY_ADDRESS's cluster), started again
+    (once by default) when its node was too slow to register, after stopping what the failed
+    start left running (its GCS, raylet and agents are this process's children, which
+    ray.shutdown does not know of)."""
     import ray
 
     for attempt in range(1, tries + 1):
