@@ -36,6 +36,7 @@ from serve_app.placement import (
     bind_descendants,
     bind_process,
     descendants,
+    is_alive,
     resolve_cpus,
     serving_cores,
 )
@@ -163,16 +164,8 @@ def _kill(pids: list[int], wait_s: float = 10) -> None:
         for pid in pids:
             with contextlib.suppress(ChildProcessError):  # not our child: init reaps it
                 os.waitpid(pid, os.WNOHANG)
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if is_alive(pid)]
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _run_options(spec: dict, app: dict) -> dict:

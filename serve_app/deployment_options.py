@@ -72,9 +72,8 @@ SERVE_FAST_PATH_ENV = {
 
 
 # How often the handles report a model deployment's load to Ray Serve's autoscaler (one small call
-# per ingress replica), and Ray Serve's own default window it averages the load over.
+# per ingress replica).
 AUTOSCALING_REPORT_S = 2.0
-AUTOSCALING_LOOK_BACK_S = 30.0
 
 # Ray Serve writes an access-log line per call in every deployment; the HTTP request's line comes
 # from the ingress, so the deployments it calls (tokenizer pool, model and embedding replicas,
@@ -183,7 +182,10 @@ def model_replica_options(
         # the ingress replicas' handles report their load to the autoscaler every
         # metrics_interval_s (Ray Serve's default, 10 s, would let a decision lag a burst by as
         # much); below look_back_period_s, which Ray Serve requires
-        look_back = scaling.get("look_back_period_s", AUTOSCALING_LOOK_BACK_S)
+        from ray.serve.config import AutoscalingConfig
+
+        default = AutoscalingConfig.model_fields["look_back_period_s"].default
+        look_back = scaling.get("look_back_period_s", default)
         scaling.setdefault("metrics_interval_s", min(AUTOSCALING_REPORT_S, look_back / 2))
         options["autoscaling_config"] = scaling
     return options

@@ -118,20 +118,33 @@ def bind_process(cores: Iterable[int] | None) -> None:
         raise _not_available(missing)
 
 
-def descendants(pid: int | None = None) -> list[int]:
-    """The process ids of every process below `pid` (this one by default), children first.
-    Linux only (elsewhere none)."""
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None when the
+    process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def is_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, ended but not yet reaped, does not)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"
+
+
+def descendants() -> list[int]:
+    """The process ids of every process below this one, children first. Linux only (elsewhere
+    none)."""
     if not os.path.isdir("/proc"):
         return []
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], list(children.get(os.getpid() if pid is None else pid, ()))
+        fields = _stat(entry)
+        if fields and len(fields) > 1:  # (else gone meanwhile)
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], list(children.get(os.getpid(), ()))
     while todo:
         found.append(todo.pop(0))
         todo += children.get(found[-1], ())

@@ -10,6 +10,7 @@ import pytest
 
 from serve_app import __main__ as main
 from serve_app.config import load_config
+from serve_app.placement import descendants, is_alive
 
 
 def test_direct_ingress_gives_each_ingress_replica_a_port_from_the_configs(monkeypatch):
@@ -163,7 +164,7 @@ def test_a_ray_node_too_slow_to_register_is_started_again_with_nothing_left_of_i
         ours.wait()
     assert len(calls) == 2
     # killed and reaped (its pid may not be reused this soon)
-    assert not main._alive(started[0].pid) and started[0].pid not in main.descendants()
+    assert not is_alive(started[0].pid) and started[0].pid not in descendants()
 
 
 def test_any_other_failure_of_ray_init_is_raised_at_once(monkeypatch):
