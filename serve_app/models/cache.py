@@ -8,6 +8,7 @@ and renames it into place, so a crashed build leaves nothing half-written; concu
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import sys
@@ -38,6 +39,8 @@ def build_atomically(out_dir: str | Path, write: Callable[[Path], None]) -> Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         write(tmp)
+        if (tmp / "tokenizer_config.json").is_file():
+            note_tokenizer_class(tmp)
         for path in tmp.iterdir():  # mkdtemp and safetensors create owner-only files
             path.chmod(0o644)
         tmp.chmod(0o755)
@@ -51,6 +54,28 @@ def build_atomically(out_dir: str | Path, write: Callable[[Path], None]) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# What AutoTokenizer picks for a folder built here, noted by the builder (which has torch and
+# transformers loaded anyway): AutoTokenizer decides from the model's config, and transformers'
+# config module imports torch, which a process that only tokenizes (the tokenizer pool, a model
+# replica whose engine runs in its own process) would otherwise load for that alone.
+TOKENIZER_CLASS_FILE = "serve_app_tokenizer.json"
+
+
+def note_tokenizer_class(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    name = type(AutoTokenizer.from_pretrained(str(folder), local_files_only=True)).__name__
+    (folder / TOKENIZER_CLASS_FILE).write_text(json.dumps({"tokenizer_class": name}) + "\n")
+
+
+def noted_tokenizer_class(folder: Path) -> str | None:
+    """The class name note_tokenizer_class recorded in folder, None where there is none."""
+    try:
+        return json.loads((folder / TOKENIZER_CLASS_FILE).read_text())["tokenizer_class"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def ensure_built(folder: str, build: Callable[[Path], object], cache_dir=None) -> Path:

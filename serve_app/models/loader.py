@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serve_app.models import minilm, smollm2
-from serve_app.models.cache import cache_root
+from serve_app.models.cache import cache_root, noted_tokenizer_class
 from serve_app.models.demo import DEMO_VARIANTS, ensure_demo_model, model_config
 from serve_app.models.hub import parse_hub_id, resolve_hub_id
 
@@ -73,9 +73,14 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+    """AutoTokenizer's tokenizer for the folder; for a folder the model cache built, the class
+    AutoTokenizer chose when it was built, loaded without reading the model's config (which
+    imports torch)."""
+    import transformers
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    noted = noted_tokenizer_class(Path(path))
+    loader = getattr(transformers, noted or "", None) or transformers.AutoTokenizer
+    return loader.from_pretrained(str(path), local_files_only=True)
 
 
 def tokenizer_eos_ids(tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

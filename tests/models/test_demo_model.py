@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
+from serve_app.models.cache import noted_tokenizer_class
 from serve_app.models.demo import build_demo_model, ensure_demo_model, model_config
 from serve_app.models.loader import load_model, load_tokenizer, resolve_model_path
 
@@ -20,6 +21,7 @@ FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
+    "serve_app_tokenizer.json",
     "tokenizer.json",
     "tokenizer_config.json",
 )
@@ -203,3 +205,37 @@ def test_loader_does_not_pull_in_the_server_stack():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def assert_loads_as_auto_tokenizer_does(folder: Path) -> None:
+    """load_tokenizer (the class noted at build time) gives what AutoTokenizer gives."""
+    from transformers import AutoTokenizer
+
+    ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert type(ours) is type(auto)
+    # (a cache built before the note was kept has none: its folders load through AutoTokenizer)
+    assert noted_tokenizer_class(folder) in (type(auto).__name__, None)
+    assert ours.special_tokens_map == auto.special_tokens_map
+    assert (ours.eos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.pad_token_id)
+    for text in PROMPTS:
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    chat = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": "Hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+        chat, tokenize=False
+    )
+
+
+def test_a_built_model_loads_the_tokenizer_autotokenizer_picks(tiny):
+    assert noted_tokenizer_class(tiny) == "Qwen2Tokenizer"
+    assert_loads_as_auto_tokenizer_does(tiny)
+
+
+def test_a_built_model_loads_its_tokenizer_without_torch(tiny):
+    # a process that only tokenizes (the tokenizer pool) must not import torch for it
+    code = (
+        "import sys\nfrom serve_app.models.loader import load_tokenizer\n"
+        f"tok = load_tokenizer({str(tiny)!r})\n"
+        "print(type(tok).__name__, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["Qwen2Tokenizer", "False"], out.stderr

@@ -30,6 +30,12 @@ def test_the_folder_is_a_plain_hf_checkpoint(smollm2_path):
     assert tokenizer_config["eos_token"] == "<|im_end|>"
 
 
+def test_loads_the_tokenizer_autotokenizer_picks(smollm2_path):
+    from test_demo_model import assert_loads_as_auto_tokenizer_does
+
+    assert_loads_as_auto_tokenizer_does(smollm2_path)
+
+
 def test_resolved_by_name_and_rendered_through_its_chat_template(smollm2_path):
     assert smollm2.NAME in BUILT_IN
     assert resolve_model_path("smollm2-135m-instruct") == smollm2_path

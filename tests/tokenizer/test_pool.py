@@ -1,6 +1,8 @@
 """TokenizerPool without Ray: each prompt kind, the token-count rules, chat templates."""
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
@@ -36,6 +38,18 @@ def pool():
 @pytest.fixture(scope="module")
 def cutting_pool():
     return TokenizerPool(load_config(config(truncation=True)))
+
+
+def test_a_pool_of_a_built_model_does_not_load_torch(pool):
+    # torch costs a tokenizer replica seconds of CPU at start and ~0.4 GB; it needs none of it
+    code = (
+        "import sys\nfrom serve_app.config import load_config\n"
+        "from serve_app.tokenizer.pool import TokenizerPool\n"
+        f"TokenizerPool(load_config({config()!r}))\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 @pytest.fixture(scope="module")
