@@ -11,12 +11,14 @@
 # A head with no NPUs advertises none, so nothing that needs an NPU is placed there.
 # --dry-run prints the `ray start` command instead of running it.
 #
-# Token authentication: Ray 2.60's `ray start --head` turns it on by default, while its CLI
-# (`serve deploy`, `serve status`, ...) sends the token only when RAY_AUTH_MODE=token. This
-# script starts Ray with RAY_AUTH_MODE=token unless the variable says otherwise; export the same
-# in the shells that run Ray's CLI. A worker needs the head's token: ~/.ray/auth_token copied
-# from the head (or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH). RAY_AUTH_MODE=disabled on every node
-# and CLI turns it off.
+# Token authentication: Ray 2.60's `ray start` turns it on where a token exists
+# (~/.ray/auth_token) and, with RAY_AUTH_MODE=token, refuses to start without one; it never
+# writes one itself. Its CLI (`serve deploy`, `serve status`, ...) sends the token only when
+# RAY_AUTH_MODE=token. This script starts Ray with RAY_AUTH_MODE=token unless the variable says
+# otherwise, and on a head with no token generates one (`ray get-auth-token --generate`); export
+# the same mode in the shells that run Ray's CLI. A worker needs the head's token:
+# ~/.ray/auth_token copied from the head (or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH).
+# RAY_AUTH_MODE=disabled on every node and CLI turns it off.
 set -euo pipefail
 
 CANN_ENV="${CANN_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}"
@@ -125,6 +127,21 @@ if [[ "$role" == worker && "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}"
         message+=" on every node and CLI"
         [[ "$dry_run" -eq 1 ]] || die "$message"
         echo "start-node.sh: warning: $message" >&2
+    fi
+fi
+
+if [[ "$role" == head && "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
+    token_file="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
+    if [[ ! -s "$token_file" ]]; then
+        # Ray generates into ~/.ray/auth_token only
+        [[ -z "${RAY_AUTH_TOKEN_PATH:-}" ]] || die "RAY_AUTH_TOKEN_PATH names $token_file, which is missing"
+        if [[ "$dry_run" -eq 1 ]]; then
+            echo "start-node.sh: would generate the cluster's token: ray get-auth-token --generate" >&2
+        else
+            ray get-auth-token --generate > /dev/null
+            echo "start-node.sh: generated the cluster's token in $token_file: copy it to each" \
+                "worker node and to each machine that runs serve deploy" >&2
+        fi
     fi
 fi
 

@@ -146,6 +146,13 @@ def test_ray_start_serve_deploy_status_shutdown_then_serve_run(tmp_path):
     # longer than 30 s for its dashboard agent, which the suite's other worker slows down)
     env = _env(RAY_AUTH_MODE="token", RAY_agent_register_timeout_ms="120000")
     log = tmp_path / "ray-start.log"
+    # docs/serving.md's first step: with RAY_AUTH_MODE=token `ray start` refuses to start where
+    # no token exists yet (a fresh machine); this makes ~/.ray/auth_token if it is missing
+    token = subprocess.run(
+        [str(BIN / "ray"), "get-auth-token", "--generate"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert token.returncode == 0, token.stderr[-2000:]
     ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     head = _start(
         [

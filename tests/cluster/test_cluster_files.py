@@ -282,6 +282,30 @@ def test_a_worker_without_the_heads_token_is_refused_with_the_fix(fake_path, tmp
     assert shlex.split(off.stdout)[0] == "RAY_AUTH_MODE=disabled" and not off.stderr
 
 
+def test_a_head_without_a_token_generates_the_clusters_token(fake_path, tmp_path):
+    # `ray start` with RAY_AUTH_MODE=token refuses to start where no token exists, and never
+    # writes one: the head's start makes it (a fake `ray` here, writing where Ray writes)
+    ray = fake_path / "ray"
+    ray.write_text(
+        '#!/bin/sh\nif [ "$1" = get-auth-token ] && [ "$2" = --generate ]; then\n'
+        '  mkdir -p "$HOME/.ray"; echo generated > "$HOME/.ray/auth_token"; echo generated\n'
+        'else echo "ray $*"; fi\n'
+    )
+    ray.chmod(0o755)
+    home = {"HOME": str(tmp_path)}
+    dry = _start_node(fake_path, "head", "--dry-run", env=home)
+    assert "would generate the cluster's token" in dry.stderr and _ray_start(dry)
+    assert not (tmp_path / ".ray").exists()
+    started = _start_node(fake_path, "head", env=home)
+    assert started.returncode == 0 and started.stdout.startswith("ray start --head"), started
+    assert (tmp_path / ".ray" / "auth_token").read_text() == "generated\n"
+    assert "copy it to each worker node" in started.stderr
+    again = _start_node(fake_path, "head", env=home)  # a token there is kept
+    assert again.returncode == 0 and "generated" not in again.stderr
+    named = _start_node(fake_path, "head", env={**home, "RAY_AUTH_TOKEN_PATH": "/nonexistent/t"})
+    assert named.returncode == 2 and "RAY_AUTH_TOKEN_PATH names /nonexistent/t" in named.stderr
+
+
 @pytest.mark.parametrize(
     "args",
     [(), ("nope",), ("worker", "--dry-run"), ("head", "--npus", "x", "--dry-run")],
