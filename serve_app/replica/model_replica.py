@@ -79,10 +79,8 @@ class ModelReplica:
         self.outbox = TokenOutbox(ray_node_id())  # links to ingress token sockets on this node
         self.recent = RecentBlocks(engine_config.block_size)  # for the prefix-aware routers
         # print, not log: Ray forwards replica stdout to `serve run`, so users see the progress
-        print(
-            f"model replica {self.replica_id} ({role}): loading {engine_config.model!r} ...",
-            flush=True,
-        )
+        loading = f"model replica {self.replica_id} ({role}): loading {engine_config.model!r} ..."
+        print(loading, flush=True)
         start = time.monotonic()
         self.engine, self.ranks = start_engine(engine_config)  # worldSize > 1: ranks as actors
         if off_engine_cores and engine_config.engine_cpus:  # loaded on every core, served on these
@@ -255,19 +253,20 @@ class ModelReplica:
     def record_routing_stats(self) -> dict:
         return {ROUTING_STATS_KEY: self.recent.snapshot()}  # (Ray Serve asks; routing/)
 
-    def check_health(self) -> None:
-        """Ray Serve's health check: a replica whose engine loop died, or whose step hangs (no
-        output for tokenTimeout while requests wait: every one of them is past its limit), must
-        be replaced."""
-        if self.engine is None or not self.engine.is_running:
-            raise RuntimeError(f"replica {self.replica_id}: the engine loop thread is not running")
-        if self.ranks is not None and (failure := self.ranks.failure()):
-            raise RuntimeError(f"replica {self.replica_id}: {failure}")
-        stalled, limit = self.engine.stalled_s(), self.engine.config.token_timeout_s
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine loop died, a rank of whose model
+        ended or hangs (its requests end now), or whose step hangs (tokenTimeout) is replaced."""
+        engine, ranks, me = self.engine, self.ranks, f"replica {self.replica_id}"
+        if engine is not None and engine.is_running and ranks is not None:
+            if failure := ranks.failure() or await ranks.unanswered():
+                engine.fail(f"{me}: {failure}")
+        if engine is None or not engine.is_running:
+            raise RuntimeError(engine and engine.failure or f"{me}: the engine loop is not running")
+        stalled, limit = engine.stalled_s(), engine.config.token_timeout_s
         if stalled > limit:
             raise RuntimeError(
-                f"replica {self.replica_id}: the engine has handed over no output for "
-                f"{stalled:.0f} s with requests waiting (tokenTimeout {limit:g} s): a step hangs"
+                f"{me}: the engine has handed over no output for {stalled:.0f} s with requests "
+                f"waiting (tokenTimeout {limit:g} s): a step hangs"
             )
 
     async def device_info(self) -> dict:
@@ -284,11 +283,12 @@ class ModelReplica:
             if part is not None:
                 part.close()
         engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.shutdown()
         ranks, self.ranks = getattr(self, "ranks", None), None
-        if ranks is not None:
-            ranks.close()
+        stops = [engine and engine.shutdown, ranks and ranks.close]
+        if engine is not None and engine.failure:  # a rank hangs: rank 0's step waits for it,
+            stops.reverse()  # and fails once the ranks are gone
+        for stop in filter(None, stops):
+            stop()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter teardown: nothing left to report to

@@ -5,10 +5,15 @@ steps. Ranks 1..worldSize-1 are actors this replica starts in its own placement 
 Serve makes one per replica from `placement_group_bundles`: bundle 0 is the replica's, bundle r
 rank r's, packed on one node), so they are placed, reserved and released with the replica: when
 it is replaced or scaled down, Ray ends the actors it owns with it. A rank that dies fails its
-peers' next collective at once; the replica's health check reports it too.
+peers' next collective at once; the replica's health check reports it too. A rank that hangs
+(its process stopped, or stuck holding the interpreter) fails no collective: its peers wait in
+the next one. The health check asks every rank to answer, on a second thread of the actor, and
+one that does not within RANK_ANSWER_S is reported hung.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -18,14 +23,21 @@ from serve_app.engine.backends.parallel.rendezvous import Rendezvous
 from serve_app.engine.config import EngineConfig
 from serve_app.engine.host.async_engine import AsyncEngine
 
+# How long a rank may take to answer the health check's call; a live one answers in
+# milliseconds, on a loaded machine in a second or two (the call waits for a core).
+RANK_ANSWER_S = 10.0
 
-@ray.remote(num_cpus=0, max_restarts=0)
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)  # `serve` blocks one thread
 class Rank:
     def serve(self, config: EngineConfig, rank: int) -> None:
         """Load this rank's part of the model and follow rank 0 until it stops (blocks)."""
         from serve_app.engine.backends.parallel.worker import serve
 
         serve(config, rank)
+
+    def answer(self) -> bool:
+        return True
 
 
 def rank_resources(bundle: dict[str, float]) -> dict:
@@ -66,6 +78,22 @@ class RayRanks:
         except Exception as exc:  # noqa: BLE001 (whatever ended it is the report)
             return f"rank {rank} of worldSize {self.config.world_size} failed: {exc}"
         return f"rank {rank} of worldSize {self.config.world_size} has stopped"
+
+    async def unanswered(self, within_s: float = RANK_ANSWER_S) -> str | None:
+        """Why a rank seems hung (None: every rank answered within within_s)."""
+        calls = [asyncio.ensure_future(actor.answer.remote()) for actor in self.actors]
+        if not calls:
+            return None
+        _, pending = await asyncio.wait(calls, timeout=within_s)
+        for call in pending:
+            call.cancel()
+        if not pending:
+            return None
+        rank = next(r for r, call in enumerate(calls, 1) if call in pending)
+        return (
+            f"rank {rank} of worldSize {self.config.world_size} has not answered in "
+            f"{within_s:g} s: it hangs"
+        )
 
     def close(self) -> None:
         for actor in self.actors:

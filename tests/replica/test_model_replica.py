@@ -306,7 +306,7 @@ def test_stats_health_device_info(replica):
     assert stats["replica_id"] == replica.replica_id and stats["model"] == "demo"
     assert stats["role"] == "colocated"  # (the PD roles': tests/replica/test_pd_roles.py)
     assert {"num_running", "num_free_blocks", "num_blocks"} <= stats.keys()
-    replica.check_health()
+    asyncio.run(replica.check_health())
     info = asyncio.run(replica.device_info())
     assert info["device"] == "cpu" and info["replica_id"] == replica.replica_id
     assert {"ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} <= info.keys()
@@ -314,11 +314,62 @@ def test_stats_health_device_info(replica):
 
 def test_shutdown_fails_health_check():
     other = ModelReplica(load_config(CONFIG))
-    other.check_health()
+    asyncio.run(other.check_health())
     other.shutdown()
     with pytest.raises(RuntimeError, match="not running"):
-        other.check_health()
+        asyncio.run(other.check_health())
     other.shutdown()  # idempotent
+
+
+class _HungRank:
+    """The ranks of a split model whose rank 1 does not answer (over Ray: test_world_size.py)."""
+
+    def failure(self) -> None:
+        return None
+
+    async def unanswered(self) -> str:
+        return "rank 1 of worldSize 2 has not answered in 10 s: it hangs"
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_hung_rank_ends_the_open_requests_refuses_new_ones_and_fails_health(prompt):
+    """A rank that hangs fails no collective: rank 0's step waits in the next one. The health
+    check finds it, ends every open request with why (they would wait forever), refuses new
+    ones the same way and fails, so Ray Serve replaces the replica with its ranks."""
+    import threading
+
+    other = ModelReplica(load_config(CONFIG))
+    release, entered = threading.Event(), threading.Event()
+    step = other.engine.engine.step
+
+    def waiting_step():  # as rank 0 waits for the hung rank in a collective
+        entered.set()
+        release.wait(30)
+        return step()
+
+    other.engine.engine.step = waiting_step
+    done = []
+    runner = threading.Thread(
+        target=lambda: done.append(collect(other, request(prompt, greedy(4))))
+    )
+    try:
+        asyncio.run(other.check_health())  # no ranks: healthy
+        other.ranks = _HungRank()
+        runner.start()
+        assert entered.wait(10)
+        with pytest.raises(RuntimeError, match="rank 1 of worldSize 2 .* it hangs"):
+            asyncio.run(other.check_health())
+        runner.join(10)
+        assert done and done[0][-1].finished and "it hangs" in done[0][-1].error
+        refused = collect(other, request(prompt, greedy(4)))
+        assert refused[-1].finished and "it hangs" in refused[-1].error
+        with pytest.raises(RuntimeError, match="it hangs"):  # and stays unhealthy
+            asyncio.run(other.check_health())
+    finally:
+        release.set()
+        other.shutdown()
 
 
 def test_a_hung_step_fails_the_health_check_within_token_timeout(prompt, monkeypatch):
@@ -341,7 +392,7 @@ def test_a_hung_step_fails_the_health_check_within_token_timeout(prompt, monkeyp
 
     try:
         time.sleep(1.2)
-        other.check_health()  # idle for longer than tokenTimeout: healthy
+        asyncio.run(other.check_health())  # idle for longer than tokenTimeout: healthy
         monkeypatch.setattr(other.engine.engine, "step", hung_step)
         done = []
         runner = threading.Thread(
@@ -353,13 +404,13 @@ def test_a_hung_step_fails_the_health_check_within_token_timeout(prompt, monkeyp
         while time.monotonic() < deadline and other.engine.stalled_s() <= 1:
             time.sleep(0.05)
         with pytest.raises(RuntimeError, match="no output for .* a step hangs"):
-            other.check_health()
+            asyncio.run(other.check_health())
         release.set()
         runner.join(30)
         # the request, past its own tokenTimeout by then, ends with that error; nothing leaks
         assert done and done[0][-1].finished and "timeout" in (done[0][-1].error or "").lower()
         wait_idle(other)
-        other.check_health()
+        asyncio.run(other.check_health())
     finally:
         release.set()
         other.shutdown()

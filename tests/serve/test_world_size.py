@@ -1,11 +1,12 @@
 """worldSize over Ray: a model split over two ranks (the replica and one rank actor in the
 replica's placement group) answers every API family as the same model on one rank does, greedy
-tokens and log-probabilities alike; a rank killed mid-stream ends the stream with an error, and
-Ray Serve replaces the replica with all its ranks; in PD mode the prefill and the decode are each
-split over two. Slow."""
+tokens and log-probabilities alike; a rank killed or hung mid-stream ends the stream with an
+error, and Ray Serve replaces the replica with all its ranks; in PD mode the prefill and the
+decode are each split over two. Slow."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -96,6 +97,36 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_the_replica_is_replaced(se
     assert [a["name"] for a in actors("ModelReplica-demo")] != [replica["name"]]
     # and /metrics shows the model idle: what the killed replica reported last counts no more
     assert kv_idle(server, 30), "/metrics still counts requests or KV blocks"
+
+
+def test_a_rank_that_hangs_ends_the_stream_and_the_replica_is_replaced(server):
+    """A stopped rank process (as one stuck holding its interpreter) fails no collective: rank 0
+    waits in the next one. The health check finds that the rank does not answer, the stream ends
+    with why, and Ray Serve replaces the replica with its ranks, the stopped one included."""
+    from serve_app.replica.ranks import RANK_ANSWER_S
+
+    serves_again(server)  # after the test before
+    (rank,) = _rank_actors()
+    try:
+        events, ended_s = stream_until_fault(server, lambda: os.kill(rank[1], signal.SIGSTOP))
+        assert ended_s < RANK_ANSWER_S + 10  # the health check runs every second here
+        assert "rank 1 of worldSize 2 has not answered" in events[-1]["error"]["message"]
+        serves_again(server)
+        deadline = time.monotonic() + BACK_WITHIN_S
+        while [r[0] for r in _rank_actors()] in ([], [rank[0]]) or _exists(rank[1]):
+            assert time.monotonic() < deadline, "the stopped rank is still there"
+            time.sleep(1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank[1], signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_pd_with_the_prefill_and_the_decode_each_over_two_ranks(cluster, http):

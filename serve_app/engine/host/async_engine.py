@@ -45,6 +45,7 @@ class AsyncEngine:
         # request id -> (its event loop, what takes its outputs there, its prompt ids)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Callable, list[int]]] = {}
         self._last_output = time.monotonic()  # when the engine last handed over outputs
+        self._failure: str | None = None  # set by fail()
         self.engine: LLMEngine | None = None  # the in-process engine (thread mode)
         self._host: EngineProcess | EngineThread
         if engine is None and config.engine_process:
@@ -138,8 +139,21 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """The step loop is alive (a health check replaces a replica whose is not)."""
-        return self._host.is_running
+        """The step loop is alive and not failed (a health check replaces a replica whose is
+        not)."""
+        return self._failure is None and self._host.is_running
+
+    @property
+    def failure(self) -> str | None:
+        """What fail() was given (None: not failed)."""
+        return self._failure
+
+    def fail(self, message: str) -> None:
+        """For an engine that cannot go on though its loop looks alive (a rank of the model
+        hangs, so the step waits forever): every open stream ends with message, and every
+        request after it too."""
+        self._failure = message
+        self._fail_all(message)
 
     def stalled_s(self) -> float:
         """Seconds the engine has handed over no output while requests wait for one: a step
@@ -155,8 +169,9 @@ class AsyncEngine:
         return self._host.stats()
 
     def _send(self, message) -> None:
-        if message[0] == "add" and not self._host.is_running:
-            self._deliver_all([(message[1].request_id, EngineError("the engine is not running"))])
+        if message[0] == "add" and not self.is_running:
+            why = self._failure or "the engine is not running"
+            self._deliver_all([(message[1].request_id, EngineError(why))])
             return
         self._host.send(message)
 
