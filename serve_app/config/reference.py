@@ -79,9 +79,8 @@ applications:
         ModelReplica: {num_replicas: 1, ray_actor_options: {num_cpus: auto}}
 ```
 
-The shipped files: `deployments.yaml` (SmolLM2 and the embedding endpoint on one machine,
-commented key by key), `deployments-pd.yaml` (the same with `inferMode: dmi`), `bench/demo.yaml`
-(the random demo model, for the benchmarks) and `cluster/serve-pd.yaml` (PD on Ascend nodes).
+Shipped: `deployments.yaml` (commented key by key), `deployments-pd.yaml` (PD), `bench/demo.yaml`
+(benchmarks), `cluster/serve-pd.yaml` (PD on Ascend), `cluster/serve-tp.yaml` (32B over 4 NPUs).
 
 ## Rules
 

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"
 LAUNCHER = CLUSTER / "ascend-cluster.yaml"
 SERVE_PD = CLUSTER / "serve-pd.yaml"
+SERVE_TP = CLUSTER / "serve-tp.yaml"
 RAYSERVICE = CLUSTER / "kuberay-rayservice.yaml"
 START_NODE = CLUSTER / "start-node.sh"
 IMPORT_PATH = "serve_app.app:build_app"
@@ -86,6 +87,7 @@ def test_expected_files_exist():
     assert {p.name for p in CLUSTER.iterdir()} >= {
         LAUNCHER.name,
         SERVE_PD.name,
+        SERVE_TP.name,
         RAYSERVICE.name,
         START_NODE.name,
     }
@@ -180,6 +182,33 @@ def test_ray_serve_accepts_the_config(source):
     serve_config = _yaml(SERVE_PD) if source == "serve-pd.yaml" else _rayservice_serve_config()
     schema = ServeDeploySchema.model_validate(serve_config)
     assert schema.applications[0].import_path == IMPORT_PATH
+
+
+def test_the_tensor_parallel_example_splits_its_model_over_four_npus_of_one_node(monkeypatch):
+    """serve-tp.yaml: a 32B model over 4 NPUs a replica (the heads of Qwen2.5-32B, whose
+    config.json is not here, divide by 4), two replicas of 4 on an 8-NPU node."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app import deployment_options, replica_cpus
+    from serve_app.deployment_options import model_replica_options
+
+    serve_config = _yaml(SERVE_TP)
+    ServeDeploySchema.model_validate(serve_config)
+    app = _app(serve_config)
+    assert app["import_path"] == IMPORT_PATH
+    config = _load_args(app["args"])
+    (model,) = config.BackendConfig.ModelDeployConfig.ModelConfig
+    assert (model.worldSize, model.device, model.dtype) == (4, "npu", "bfloat16")
+    heads, kv_heads, mlp = 40, 8, 27648  # Qwen2.5-32B-Instruct's config.json
+    assert heads % 4 == kv_heads % 4 == mlp % 4 == 0
+    # an 8-NPU node of 32 CPUs, as 910B servers come
+    monkeypatch.setattr(replica_cpus, "live_nodes", lambda: [{"CPU": 32, "NPU": 8}])
+    monkeypatch.setattr(deployment_options, "_most_per_node", lambda key: 8)
+    options = model_replica_options(config, 0)
+    bundles = options["placement_group_bundles"]
+    assert len(bundles) == 4 and all(bundle["NPU"] == 1 for bundle in bundles)
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["num_replicas"] == 2  # 8 NPUs in all
 
 
 @pytest.mark.parametrize("name", ["deployments.yaml", "deployments-pd.yaml", "bench/demo.yaml"])
