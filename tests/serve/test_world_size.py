@@ -18,6 +18,8 @@ from serve_helpers import (
     BACK_WITHIN_S,
     ERROR_WITHIN_S,
     MODELS_ARGS,
+    SMOLLM2,
+    SMOLLM2_ON_ONE,
     actors,
     deploy,
     kv_idle,
@@ -25,7 +27,7 @@ from serve_helpers import (
     stream_until_fault,
 )
 
-ARGS = MODELS_ARGS  # "demo" over two ranks, "one" the same weights on one (and SmolLM2)
+ARGS = MODELS_ARGS  # "demo" over two ranks and SmolLM2 over three, each next to itself on one
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +38,22 @@ def server(cluster):
     serve.delete("serve_app")
 
 
-def _rank_actors() -> list[tuple[str, int]]:
-    """(actor id, pid) of each live rank actor (from the GCS: the test cluster has no
-    dashboard for Ray's state API)."""
+def _rank_actors(model: str | None = None) -> list[tuple[str, int]]:
+    """(actor id, pid) of each live rank actor, or of those `model`'s replicas started (from
+    the GCS: the test cluster has no dashboard for Ray's state API)."""
     from ray._private import state
 
+    alive = {k: v for k, v in state.actors().items() if v["State"] == "ALIVE"}
+
+    def where(address: dict) -> tuple:
+        return address["IPAddress"], address["Port"]
+
+    owners = {where(info["Address"]) for info in alive.values()
+              if info["ActorClassName"].endswith(f":ModelReplica-{model}")}  # fmt: skip
     return [
-        (actor_id, info["Pid"]) for actor_id, info in state.actors().items()
-        if info["ActorClassName"] == "Rank" and info["State"] == "ALIVE"
+        (actor_id, info["Pid"]) for actor_id, info in alive.items()
+        if info["ActorClassName"] == "Rank"
+        and (model is None or where(info["OwnerAddress"]) in owners)
     ]  # fmt: skip
 
 
@@ -73,25 +83,28 @@ def _answers(http, model: str) -> dict:
     }
 
 
-def test_a_model_over_two_ranks_answers_as_on_one(http):
-    ranks = _rank_actors()
-    assert len(ranks) == 1  # the replica is rank 0; rank 1 is an actor
-    two, one = _answers(http, "demo"), _answers(http, "one")
-    assert {k: v for k, v in two.items() if k != "logprobs"} == {
-        k: v for k, v in one.items() if k != "logprobs"
+@pytest.mark.parametrize(
+    "split, one", [("demo", "one"), (SMOLLM2, SMOLLM2_ON_ONE)], ids=["demo-2", "smollm2-3"]
+)
+def test_a_model_over_several_ranks_answers_as_on_one(http, split, one):
+    # each replica is rank 0 of its model; the others are actors: 1 for the demo, 2 for SmolLM2
+    assert (len(_rank_actors("demo")), len(_rank_actors(SMOLLM2))) == (1, 2)
+    over, on_one = _answers(http, split), _answers(http, one)
+    assert {k: v for k, v in over.items() if k != "logprobs"} == {
+        k: v for k, v in on_one.items() if k != "logprobs"
     }
-    assert two["logprobs"] == pytest.approx(one["logprobs"], abs=1e-4)
+    assert over["logprobs"] == pytest.approx(on_one["logprobs"], abs=1e-4)
 
 
 def test_a_rank_killed_mid_stream_ends_the_stream_and_the_replica_is_replaced(server):
-    (rank,) = _rank_actors()
+    (rank,) = _rank_actors("demo")
     (replica,) = actors("ModelReplica-demo")
     events, ended_s = stream_until_fault(server, lambda: os.kill(rank[1], signal.SIGKILL))
     assert ended_s < ERROR_WITHIN_S
     assert "worldSize 2" in events[-1]["error"]["message"], events[-1]
     serves_again(server)
     deadline = time.monotonic() + BACK_WITHIN_S
-    while [r[0] for r in _rank_actors()] in ([], [rank[0]]):
+    while [r[0] for r in _rank_actors("demo")] in ([], [rank[0]]):
         assert time.monotonic() < deadline, "no new rank came with the replaced replica"
         time.sleep(1)
     assert [a["name"] for a in actors("ModelReplica-demo")] != [replica["name"]]
@@ -106,14 +119,14 @@ def test_a_rank_that_hangs_ends_the_stream_and_the_replica_is_replaced(server):
     from serve_app.replica.ranks import RANK_ANSWER_S
 
     serves_again(server)  # after the test before
-    (rank,) = _rank_actors()
+    (rank,) = _rank_actors("demo")
     try:
         events, ended_s = stream_until_fault(server, lambda: os.kill(rank[1], signal.SIGSTOP))
         assert ended_s < RANK_ANSWER_S + 10  # the health check runs every second here
         assert "rank 1 of worldSize 2 has not answered" in events[-1]["error"]["message"]
         serves_again(server)
         deadline = time.monotonic() + BACK_WITHIN_S
-        while [r[0] for r in _rank_actors()] in ([], [rank[0]]) or _exists(rank[1]):
+        while [r[0] for r in _rank_actors("demo")] in ([], [rank[0]]) or _exists(rank[1]):
             assert time.monotonic() < deadline, "the stopped rank is still there"
             time.sleep(1)
     finally:
