@@ -114,21 +114,20 @@ SERVE_LONG_ARGS["Deployments"] = {"ModelReplica": {"health_check_period_s": 1}}
 PD_LONG_ARGS = _long(PD_ARGS)
 
 # One app for test_real_model.py and test_world_size.py (one deploy for both, in that order:
-# tests/conftest.py RAY_ORDER): the built-in SmolLM2 split over three ranks (its 9 query and 3
-# KV heads; first: a MindIE request without a model gets it) and the same on one, the demo split
-# over two ranks ("demo") and the same weights on one ("one"), all float32 so that
-# log-probabilities compare closely; each model's engine in a process of its own, as
-# deployments.yaml has it. (SmolLM2 as deployments.yaml serves it, on one rank in bfloat16, is
-# test_cli.py's `make serve` test.)
+# tests/conftest.py RAY_ORDER): the built-in SmolLM2 (first: a MindIE request without a model
+# gets it) and the same split over three ranks (its 9 query and 3 KV heads), the demo split over
+# two ranks ("demo") and the same weights on one ("one"), all float32 so that log-probabilities
+# compare closely; each model's engine in a process of its own, as deployments.yaml has it.
+# (SmolLM2 as deployments.yaml serves it, in bfloat16, is test_cli.py's `make serve` test.)
 SMOLLM2 = "smollm2-135m-instruct"
-SMOLLM2_ON_ONE = "smollm2-on-one-rank"
+SMOLLM2_SPLIT = "smollm2-over-three-ranks"
 MODELS_ARGS = copy.deepcopy(SERVE_LONG_ARGS)
 MODELS_ARGS.pop("EmbeddingConfig")  # not tested there: one replica less to start
 MODELS_ARGS["BackendConfig"]["tokenizerProcessNumber"] = 1
 MODELS_ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
     *({"modelName": name, "modelWeightPath": path, "engineProcess": True, "device": "cpu",
        "dtype": "float32", "worldSize": world}
-      for name, path, world in ((SMOLLM2, SMOLLM2, 3), (SMOLLM2_ON_ONE, SMOLLM2, 1),
+      for name, path, world in ((SMOLLM2, SMOLLM2, 1), (SMOLLM2_SPLIT, SMOLLM2, 3),
                                 ("demo", "demo-tiny", 2), ("one", "demo-tiny", 1))),
 ]  # fmt: skip
 

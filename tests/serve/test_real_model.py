@@ -1,6 +1,5 @@
 """The shipped default model over real HTTP on Ray: SmolLM2-135M-Instruct answers like a user
-expects, through each API family, with its own chat template and end-of-turn token; here split
-over three ranks (tensor parallelism, test_world_size.py compares it with one rank)."""
+expects, through each API family, with its own chat template and end-of-turn token."""
 
 from __future__ import annotations
 

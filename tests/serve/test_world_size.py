@@ -19,7 +19,7 @@ from serve_helpers import (
     ERROR_WITHIN_S,
     MODELS_ARGS,
     SMOLLM2,
-    SMOLLM2_ON_ONE,
+    SMOLLM2_SPLIT,
     actors,
     deploy,
     kv_idle,
@@ -84,11 +84,11 @@ def _answers(http, model: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "split, one", [("demo", "one"), (SMOLLM2, SMOLLM2_ON_ONE)], ids=["demo-2", "smollm2-3"]
+    "split, one", [("demo", "one"), (SMOLLM2_SPLIT, SMOLLM2)], ids=["demo-2", "smollm2-3"]
 )
 def test_a_model_over_several_ranks_answers_as_on_one(http, split, one):
     # each replica is rank 0 of its model; the others are actors: 1 for the demo, 2 for SmolLM2
-    assert (len(_rank_actors("demo")), len(_rank_actors(SMOLLM2))) == (1, 2)
+    assert (len(_rank_actors("demo")), len(_rank_actors(SMOLLM2_SPLIT))) == (1, 2)
     over, on_one = _answers(http, split), _answers(http, one)
     assert {k: v for k, v in over.items() if k != "logprobs"} == {
         k: v for k, v in on_one.items() if k != "logprobs"
