@@ -116,6 +116,7 @@ def test_a_rank_that_hangs_ends_the_stream_and_the_replica_is_replaced(server):
     """A stopped rank process (as one stuck holding its interpreter) fails no collective: rank 0
     waits in the next one. The health check finds that the rank does not answer, the stream ends
     with why, and Ray Serve replaces the replica with its ranks, the stopped one included."""
+    from serve_app.placement import is_alive
     from serve_app.replica.ranks import RANK_ANSWER_S
 
     serves_again(server)  # after the test before
@@ -126,20 +127,12 @@ def test_a_rank_that_hangs_ends_the_stream_and_the_replica_is_replaced(server):
         assert "rank 1 of worldSize 2 has not answered" in events[-1]["error"]["message"]
         serves_again(server)
         deadline = time.monotonic() + BACK_WITHIN_S
-        while [r[0] for r in _rank_actors("demo")] in ([], [rank[0]]) or _exists(rank[1]):
+        while [r[0] for r in _rank_actors("demo")] in ([], [rank[0]]) or is_alive(rank[1]):
             assert time.monotonic() < deadline, "the stopped rank is still there"
             time.sleep(1)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rank[1], signal.SIGKILL)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_pd_with_the_prefill_and_the_decode_each_over_two_ranks(cluster, http):
