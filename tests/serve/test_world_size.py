@@ -1,4 +1,4 @@
-"""worldSize over Ray: a model split over two ranks (the replica and one rank actor in the
+"""worldSize over Ray: a model split over two or three ranks (the replica and rank actors in the
 replica's placement group) answers every API family as the same model on one rank does, greedy
 tokens and log-probabilities alike; a rank killed or hung mid-stream ends the stream with an
 error, and Ray Serve replaces the replica with all its ranks; in PD mode the prefill and the
