@@ -119,29 +119,22 @@ fi
 npus=$((10#$npus))
 
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
-if [[ "$role" == worker && "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
-    token_file="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
-    if [[ ! -s "$token_file" ]]; then
+token_file="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
+if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" && ! -s "$token_file" ]]; then
+    if [[ "$role" == worker ]]; then
         message="token authentication is on and $token_file is missing: copy the head's"
         message+=" ~/.ray/auth_token there (or set RAY_AUTH_TOKEN), or set RAY_AUTH_MODE=disabled"
         message+=" on every node and CLI"
         [[ "$dry_run" -eq 1 ]] || die "$message"
         echo "start-node.sh: warning: $message" >&2
-    fi
-fi
-
-if [[ "$role" == head && "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
-    token_file="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
-    if [[ ! -s "$token_file" ]]; then
-        # Ray generates into ~/.ray/auth_token only
-        [[ -z "${RAY_AUTH_TOKEN_PATH:-}" ]] || die "RAY_AUTH_TOKEN_PATH names $token_file, which is missing"
-        if [[ "$dry_run" -eq 1 ]]; then
-            echo "start-node.sh: would generate the cluster's token: ray get-auth-token --generate" >&2
-        else
-            ray get-auth-token --generate > /dev/null
-            echo "start-node.sh: generated the cluster's token in $token_file: copy it to each" \
-                "worker node and to each machine that runs serve deploy" >&2
-        fi
+    elif [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]]; then  # Ray generates into ~/.ray/auth_token only
+        die "RAY_AUTH_TOKEN_PATH names $token_file, which is missing"
+    elif [[ "$dry_run" -eq 1 ]]; then
+        echo "start-node.sh: would generate the cluster's token: ray get-auth-token --generate" >&2
+    else
+        ray get-auth-token --generate > /dev/null
+        echo "start-node.sh: generated the cluster's token in $token_file: copy it to each" \
+            "worker node and to each machine that runs serve deploy" >&2
     fi
 fi
 
