@@ -32,7 +32,7 @@ ARGS["BackendConfig"]["ModelDeployConfig"]["ModelConfig"] = [
 # scale-down drains its streams for up to 120 s
 SCALING = {
     "min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 8, "upscale_delay_s": 0,
-    "downscale_delay_s": 15, "look_back_period_s": 1,
+    "downscale_delay_s": 10, "look_back_period_s": 1,
 }  # fmt: skip
 # The ingress replicas' routers trust a replica's last known queue length for 1 s (Ray Serve's
 # default, 10 s: a replica busy at the burst's end would look busy, and get no stream, for that
@@ -151,15 +151,18 @@ def _replica_states(deployment: str) -> dict[str, int]:
     return {getattr(k, "value", str(k)): n for k, n in status.replica_states.items()}
 
 
-def _stream(app: str, prompt: str, max_tokens: int, got: dict) -> None:
-    """A completions stream of `prompt`; got[prompt]: its data events, in order, as they come."""
-    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+def _stream(app: str, request_id: str, got: dict) -> None:
+    """A Triton stream with this id that only a stopInfer ends (LONG_MAX_TOKENS: it runs for
+    minutes on any machine); got[request_id]: its data events, in order, as they come."""
+    body = {"id": request_id, "text_input": request_id,
+            "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0,
+                           "details": True}}  # fmt: skip
     events: list = []
-    got[prompt] = events
-    with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=300) as response:
+    got[request_id] = events
+    with httpx.stream("POST", f"{app}/v2/models/demo/generate_stream", json=body,
+                      timeout=300) as response:  # fmt: skip
         for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+            if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
 
 
@@ -167,8 +170,9 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
     """Autoscaling live: a burst of requests on "demo" (above 8 per replica) starts a third
     replica; streams then run on all three (each replica's engine busy once the burst is over);
     Serve scales back to two while they run, and the replica it stops drains its streams
-    (graceful_shutdown_timeout_s) instead of cutting them: every stream ends whole, and the
-    survivors hold no KV."""
+    (graceful_shutdown_timeout_s) instead of cutting them: every stream runs until the test
+    stops it (stopInfer, not a length: the verdict does not depend on the machine's speed) and
+    ends whole, and the survivors hold no KV."""
     deployment = "ModelReplica-demo"
     assert _replica_states(deployment) == {"RUNNING": 2}
     burst_on = threading.Event()
@@ -203,10 +207,10 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
     # them over all three
     time.sleep(1.5)
     for i in range(9):
-        thread = threading.Thread(target=_stream, args=(app, f"long {i}", 800, streams))
+        thread = threading.Thread(target=_stream, args=(app, f"long-{i}", streams))
         thread.start()
         stream_threads.append(thread)
-        while not streams.get(f"long {i}"):
+        while not streams.get(f"long-{i}"):
             assert time.monotonic() < deadline, "the streams did not start"
             time.sleep(0.05)
     # the burst's requests are over: the replica Serve stops next is running streams
@@ -214,22 +218,30 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
     time.sleep(1.0)
     after = _engine_cpu_seconds(deployment)
     assert len([p for p in before if after.get(p, 0) - before[p] > 0.05]) == 3, (before, after)
+    # Serve scales in while the streams run: one replica stops and drains its streams
+    # (graceful_shutdown_timeout_s); they are stopped once it has drained them for 2 s
     draining_s, last = 0.0, time.monotonic()
-    while any(t.is_alive() for t in stream_threads):
+    deadline = last + 120
+    while draining_s <= 2:
         states, now = _replica_states(deployment), time.monotonic()
         if states.get("STOPPING") and states.get("RUNNING") == 2:
             draining_s += now - last
         last = now
+        assert all(t.is_alive() for t in stream_threads), "a stream ended before its stop"
+        assert now < deadline, f"no replica drained the streams: {states}"
         time.sleep(0.2)
+    for request_id in streams:
+        stop = httpx.post(f"{app}/v2/models/demo/stopInfer", json={"id": request_id}, timeout=30)
+        assert stop.status_code == 200, (request_id, stop.text)
     for thread in stream_threads:
-        thread.join()
-    # a replica stopped with no stream would have been gone within a wait loop (0.5 s)
-    assert draining_s > 2, f"no replica drained streams while they ran ({draining_s:.1f} s)"
-    for prompt, events in streams.items():
-        usage = events[-1].get("usage") or {}  # (a cut stream ends with an error event)
-        assert usage.get("completion_tokens") == 800, (prompt, events[-1])
-        finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
-        assert finishes == ["length"], (prompt, finishes)
+        thread.join(60)
+    # every stream, the draining replica's among them, ran until its stop and ended whole (a cut
+    # stream ends with an error event, or without its final event)
+    for request_id, events in streams.items():
+        details = events[-1].get("details") or {}
+        assert details.get("finish_reason") == "stop_sequence", (request_id, events[-1])
+        assert details["generated_tokens"] >= len(events) - 1 > 0, (request_id, details)
+        assert all("error" not in e for e in events), request_id
     deadline = time.monotonic() + 60
     while _replica_states(deployment) != {"RUNNING": 2}:
         assert time.monotonic() < deadline, _replica_states(deployment)
