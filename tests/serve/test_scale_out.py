@@ -175,18 +175,17 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
     ends whole, and the survivors hold no KV."""
     deployment = "ModelReplica-demo"
     assert _replica_states(deployment) == {"RUNNING": 2}
-    burst_on = threading.Event()
-    burst_on.set()
 
-    def burst(worker: int) -> None:
-        sent = 0
-        while burst_on.is_set():
-            body = {"model": "demo", "prompt": f"burst {worker} {sent}", "max_tokens": 48,
-                    "ignore_eos": True}  # fmt: skip
-            httpx.post(f"{app}/v1/completions", json=body, timeout=120)
-            sent += 1
+    # the burst: 20 requests at once (10 a replica), each running until its stopInfer (a
+    # request that ends and is sent again would cost the CPU its start needs)
+    def burst(request_id: str) -> None:
+        body = {"id": request_id, "text_input": request_id,
+                "parameters": {"max_new_tokens": LONG_MAX_TOKENS, "temperature": 0}}  # fmt: skip
+        httpx.post(f"{app}/v2/models/demo/generate", json=body, timeout=300)
 
-    burst_threads = [threading.Thread(target=burst, args=(i,)) for i in range(20)]
+    burst_ids = [f"burst-{i}" for i in range(20)]
+    stopped = []
+    burst_threads = [threading.Thread(target=burst, args=(i,)) for i in burst_ids]
     streams: dict = {}
     stream_threads = []
     try:
@@ -196,11 +195,15 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
         while _replica_states(deployment).get("RUNNING", 0) < 3:
             assert time.monotonic() < deadline, f"no third replica: {_replica_states(deployment)}"
             time.sleep(0.5)
-        time.sleep(2)  # the ingress replicas' routers learn of the third and send it work
+        time.sleep(2)  # the ingress replicas' routers learn of the third
     finally:
-        burst_on.clear()
+        for request_id in burst_ids:
+            stop = httpx.post(f"{app}/v2/models/demo/stopInfer", json={"id": request_id},
+                              timeout=30)  # fmt: skip
+            stopped.append(stop.status_code)
         for thread in burst_threads:
             thread.join()
+    assert stopped == [200] * 20, stopped  # every burst request was still running
     # the burst is over, and Serve waits out downscale_delay_s before it scales in: streams now,
     # once the routers' queue lengths of the burst are stale, one after the other (each once the
     # one before has its first event), so the routers (the less loaded of two replicas) spread
