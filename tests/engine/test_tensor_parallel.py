@@ -182,6 +182,27 @@ def demo_engines():
         llm.close()
 
 
+def test_the_ranks_size_the_kv_pool_by_the_least_free_memory(monkeypatch):
+    """Sized by free device memory (neither kvCacheBlocks nor npuMemSize), each rank measures
+    its own device: rank 1 has room for 64 blocks here, rank 0 for 2 GiB's worth. The pool is
+    the least of them on every rank, or rank 0 would hand out block ids rank 1 does not have."""
+    from serve_app.engine.backends.parallel import local
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    settings = {**SMALL, "num_kv_blocks": 0}
+    with LLM("demo-tiny", **{**SMALL, "num_kv_blocks": 64}) as llm:
+        expected = tokens(llm.generate(_prompts(), params))
+    # rank 1's process: its device has 256 KiB free for the KV pool
+    little = "from serve_app.engine.backends import cpu; "
+    little += "cpu.CPUBackend.kv_budget_bytes = lambda self: 1 << 18; "
+    monkeypatch.setattr(local, "START", little + local.START)
+    with LLM("demo-tiny", world_size=2, **settings) as llm:
+        runner = llm.engine.runner
+        assert runner.bytes_per_block == 4096  # one of demo-tiny's two KV heads a rank
+        assert runner.num_blocks == 64 == llm.engine.stats()["num_blocks"]
+        assert tokens(llm.generate(_prompts(), params)) == expected
+
+
 def _prompts():
     generator = torch.Generator().manual_seed(7)
     shared = torch.randint(0, 150000, (20,), generator=generator).tolist()

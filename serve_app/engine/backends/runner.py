@@ -155,7 +155,10 @@ class ModelRunner:
             budget = int(self.config.kv_cache_mem_gb * (1 << 30))
         else:
             budget = self.backend.kv_budget_bytes()
-        return max(1, budget // self.bytes_per_block)
+        blocks = max(1, budget // self.bytes_per_block)
+        # each rank sizes the pool by its own device's free memory: all take the least, so that
+        # every block id rank 0 hands out exists on every rank
+        return blocks if self.ranks is None else self.ranks.least(blocks)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, *self.kv_shape)
@@ -164,15 +167,11 @@ class ModelRunner:
 
     def _capture_decode_graphs(self) -> cuda_graphs.DecodeGraphs:
         graphs = cuda_graphs.DecodeGraphs(
-            self._forward,
-            self.kv_caches,
-            self.backend.decode_kernel,
-            self.block_size,
+            self._forward, self.kv_caches, self.backend.decode_kernel, self.block_size,
             scratch_block=self.num_blocks,  # past the pool's blocks: never handed out
             max_batch=self.config.max_batch_size,
-            max_blocks=-(-self.config.max_seq_len // self.block_size),
-            device=self.device,
-        )
+            max_blocks=-(-self.config.max_seq_len // self.block_size), device=self.device,
+        )  # fmt: skip
         graphs.capture()
         return graphs
 

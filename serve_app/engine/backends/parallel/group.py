@@ -69,6 +69,13 @@ class RankGroup:
         return t
 
     @_collective
+    def least(self, n: int) -> int:
+        """The smallest of the ranks' `n`, on every rank."""
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    @_collective
     def tell(self, message) -> None:
         """Rank 0: send every other rank `message`."""
         dist.broadcast_object_list([message], src=0, group=self.control)
