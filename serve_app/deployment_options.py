@@ -153,9 +153,11 @@ def model_replica_options(
             )
         options["placement_group_bundles"] = [_bundle(options["ray_actor_options"])] * world
         key = DEVICE_RESOURCE.get(device)
-        # (asked of the live cluster when the app is built, not when resources are given)
+        # (asked of the live cluster when the app is built, not when resources are given; where
+        # no running node has the device yet, as on a cluster that autoscales its device nodes,
+        # Ray Serve waits for one)
         most = _most_per_node(key) if key and cluster_resources is None else None
-        if most is not None and world > most:
+        if most and world > most:
             raise ValueError(
                 f"worldSize {world}: a replica's ranks are packed on one node, and no node of "
                 f"this Ray cluster has more than {most:g} {key}: worldSize may be at most {most:g}"

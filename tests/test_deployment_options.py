@@ -66,6 +66,9 @@ def test_more_ranks_than_a_node_has_devices_is_refused_when_the_app_is_built(mon
         model_replica_options(config, 0)
     monkeypatch.setattr(deployment_options, "_most_per_node", lambda key: 8)
     assert len(model_replica_options(config, 0)["placement_group_bundles"]) == 4
+    # no running node has an NPU yet (a cluster that starts its NPU nodes on demand): not refused
+    monkeypatch.setattr(deployment_options, "_most_per_node", lambda key: 0)
+    assert len(model_replica_options(config, 0)["placement_group_bundles"]) == 4
 
 
 def test_a_replica_of_one_device_has_no_placement_group_and_user_bundles_win():
