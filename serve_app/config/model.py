@@ -60,9 +60,11 @@ class ModelConfig(Section):
             "over worldSize ranks by heads and MLP features, one device each, and each rank "
             "holds its part of the weights and of the KV cache. The replica is rank 0; the "
             "other ranks are Ray actors in its placement group (worldSize bundles on one node). "
-            "Must divide the model's attention heads (and divide or be a multiple of its KV "
-            "heads); checked when the config loads where the model's config.json is on disk, "
-            "else when it loads."
+            "Must divide the model's attention heads and MLP size (and divide or be a multiple "
+            "of its KV heads), and the model's tensor-parallel plan must split only by columns "
+            "and rows (Llama, Qwen2 and the like); checked when the config loads where the "
+            "model's config.json is on disk, else when it loads. Above the most NPUs (or GPUs) "
+            "one running node has, refused when the app is built (not where none has any yet)."
         ),
         json_schema_extra=acts(),
     )
@@ -95,7 +97,9 @@ class ModelConfig(Section):
     npuMemSize: float = Field(
         _ENGINE.kv_cache_mem_gb,
         description=(
-            "KV cache per replica, in GB; -1 = auto (80% of free device memory, 2 GB on CPU)."
+            "KV cache per device, in GB: a replica over worldSize N devices holds N times it; "
+            "-1 = auto (80% of the device's free memory, the least over a replica's ranks; "
+            "2 GB on CPU)."
         ),
         json_schema_extra=acts(),
     )

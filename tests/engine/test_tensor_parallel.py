@@ -203,10 +203,23 @@ def test_the_ranks_size_the_kv_pool_by_the_least_free_memory(monkeypatch):
         assert tokens(llm.generate(_prompts(), params)) == expected
 
 
-def _prompts():
+def test_ranks_of_this_machine_need_a_device_each(monkeypatch):
+    """Offline (no Ray to show each rank its own device) rank r takes device r: a world size
+    beyond the devices this process sees is refused, not two ranks put on one device."""
+    from serve_app.engine.backends.device import check_local_ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="worldSize 2 needs 2 cuda devices, one a rank; this "
+                       "process sees 1"):  # fmt: skip
+        check_local_ranks(torch.device("cuda", 0), 2)
+    check_local_ranks(torch.device("cuda", 0), 1)
+    check_local_ranks(torch.device("cpu"), 8)  # CPU ranks share the host
+
+
+def _prompts(vocab: int = 150000):
     generator = torch.Generator().manual_seed(7)
-    shared = torch.randint(0, 150000, (20,), generator=generator).tolist()
-    tails = [torch.randint(0, 150000, (n,), generator=generator).tolist() for n in (9, 12, 3)]
+    shared = torch.randint(0, vocab, (20,), generator=generator).tolist()
+    tails = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (9, 12, 3)]
     # a shared 20-token prefix (prefix reuse), prompts over the 32-token prefill budget
     return [shared + t for t in tails] + [tails[0]]
 
@@ -245,6 +258,19 @@ class TestDemoOverTwoRanks:
             assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
         assert_idle(demo_engines[2])
 
+    def test_structured_output_over_two_ranks(self, demo_engines):
+        """The grammar is rank 0's, as sampling is: the same JSON as on one rank."""
+        import json
+
+        from serve_app.structured import json_object
+
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, constraint=json_object())
+        one, two = (demo_engines[w].generate(_prompts()[1:3], params) for w in (1, 2))
+        assert tokens(two) == tokens(one)
+        for output in two:
+            assert isinstance(json.loads(output.outputs[0].text), dict)
+        assert_idle(demo_engines[2])
+
     @pytest.mark.parametrize("prefill_world, decode_world", [(2, 1), (1, 2)])
     def test_the_pd_hand_off_moves_every_kv_head_between_world_sizes(
         self, demo_engines, prefill_world, decode_world
@@ -272,16 +298,26 @@ class TestDemoOverTwoRanks:
 
 @pytest.mark.timeout(300)
 def test_smollm2_over_three_ranks_is_smollm2_on_one():
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    """SmolLM2's 9 query and 3 KV heads over 3 ranks, through chunked prefill, prefix reuse and
+    preemption (SMALL's prefill budget and pool), and beam search: the tokens and
+    log-probabilities of SmolLM2 on one rank."""
+    prompts = _prompts(vocab=49152)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    beam = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=4, ignore_eos=True)
     runs = {}
     for world in (1, 3):
-        with LLM("smollm2-135m-instruct", world_size=world, dtype="float32", device="cpu",
-                 num_kv_blocks=64, block_size=16, max_iter_times=16) as llm:  # fmt: skip
-            runs[world] = llm.generate(prompts, params)
-    assert tokens(runs[3]) == tokens(runs[1])
-    for one, three in zip(runs[1], runs[3], strict=True):
+        with LLM("smollm2-135m-instruct", world_size=world, **SMALL) as llm:
+            outputs = llm.generate(prompts, greedy)
+            again = llm.generate(prompts[:1], greedy)  # its prefix is cached now
+            beams = llm.generate(prompts[1:3], beam)
+            stats = llm.engine.stats()
+            assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+            assert_idle(llm)
+        runs[world] = outputs, tokens(again), [[c.token_ids for c in b.outputs] for b in beams]
+    assert tokens(runs[3][0]) == tokens(runs[1][0])
+    for one, three in zip(runs[1][0], runs[3][0], strict=True):
         torch.testing.assert_close(_logprobs(three), _logprobs(one), atol=1e-4, rtol=0)
+    assert runs[3][1:] == runs[1][1:]
 
 
 def test_a_world_size_the_model_cannot_split_is_refused_before_any_rank_starts():

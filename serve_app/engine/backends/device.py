@@ -37,6 +37,21 @@ def pick_device(name: str = "auto", rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def check_local_ranks(device: torch.device, world: int) -> None:
+    """Ranks started as this machine's processes (no Ray to show each its own device) take
+    devices 0..world-1 of `device`'s type: refuse a world size beyond what this process sees,
+    rather than put two ranks on one device (which NCCL and HCCL refuse, obscurely)."""
+    if device.type not in ("cuda", "npu"):
+        return  # CPU ranks share the host
+    count = torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count()
+    if count < world:
+        raise ValueError(
+            f"worldSize {world} needs {world} {device.type} devices, one a rank; this process "
+            f"sees {count} (set CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES, or a smaller "
+            "worldSize)"
+        )
+
+
 @functools.cache
 def cpu_flags() -> str:
     """The CPU's feature flags: /proc/cpuinfo's first `flags` (x86) or `Features` (Arm) line,

@@ -22,7 +22,7 @@ import torch
 from serve_app.engine import kv_transfer
 from serve_app.engine.backends import backend_for
 from serve_app.engine.backends.cuda import graphs as cuda_graphs
-from serve_app.engine.backends.device import pick_device, pick_dtype
+from serve_app.engine.backends.device import check_local_ranks, pick_device, pick_dtype
 from serve_app.engine.backends.metadata import build_metadata
 from serve_app.engine.backends.parallel import kv as parallel_kv
 from serve_app.engine.backends.parallel import plan
@@ -102,6 +102,7 @@ class ModelRunner:
         if self.config.tp_rendezvous:
             rendezvous = Rendezvous.parse(self.config.tp_rendezvous)
         else:  # offline, or an engine process: the ranks are this machine's processes
+            check_local_ranks(self.device, world)
             rendezvous = Rendezvous.here()
             local = LocalRanks(self.config.replace(tp_rendezvous=rendezvous.address))
         try:
