@@ -27,13 +27,11 @@ def pick_device(name: str = "auto", rank: int = 0) -> torch.device:
         else:
             name = "cpu"
     if name == "npu":
-        import torch_npu  # noqa: F401
-
-        index = rank if torch.npu.device_count() > rank else torch.npu.current_device()
-        return torch.device("npu", index)
-    if name == "cuda":
-        index = rank if torch.cuda.device_count() > rank else torch.cuda.current_device()
-        return torch.device("cuda", index)
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    if name in ("npu", "cuda"):
+        devices = getattr(torch, name)  # torch.npu / torch.cuda
+        index = rank if devices.device_count() > rank else devices.current_device()
+        return torch.device(name, index)
     return torch.device("cpu")
 
 
@@ -43,7 +41,7 @@ def check_local_ranks(device: torch.device, world: int) -> None:
     rather than put two ranks on one device (which NCCL and HCCL refuse, obscurely)."""
     if device.type not in ("cuda", "npu"):
         return  # CPU ranks share the host
-    count = torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count()
+    count = getattr(torch, device.type).device_count()  # torch.cuda / torch.npu
     if count < world:
         raise ValueError(
             f"worldSize {world} needs {world} {device.type} devices, one a rank; this process "
