@@ -93,6 +93,10 @@ def test_both_models_are_served_by_both_of_their_replicas(app):
     assert len(busy) == 4, (before, after)  # every replica of both models took work
 
 
+def _stop_infer(app: str, request_id: str) -> httpx.Response:
+    return httpx.post(f"{app}/v2/models/demo/stopInfer", json={"id": request_id}, timeout=30)
+
+
 def test_stop_infer_reaches_its_request_from_either_ingress_replica(app):
     """Six streams, one stopInfer each as soon as the stream has started, over Ray's proxy and
     two ingress replicas with the shared StopRegistry deployment. Which replica a call lands on
@@ -119,9 +123,7 @@ def test_stop_infer_reaches_its_request_from_either_ingress_replica(app):
                 lines = stream.iter_lines()
                 first = next(line for line in lines if line.startswith("data: "))
                 assert json.loads(first[6:])["id"] == request_id
-                stop = httpx.post(
-                    f"{app}/v2/models/demo/stopInfer", json={"id": request_id}, timeout=30
-                )
+                stop = _stop_infer(app, request_id)
                 assert stop.status_code == 200, stop.text
                 events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
             final = events[-1]
@@ -198,9 +200,7 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
         time.sleep(2)  # the ingress replicas' routers learn of the third
     finally:
         for request_id in burst_ids:
-            stop = httpx.post(f"{app}/v2/models/demo/stopInfer", json={"id": request_id},
-                              timeout=30)  # fmt: skip
-            stopped.append(stop.status_code)
+            stopped.append(_stop_infer(app, request_id).status_code)
         for thread in burst_threads:
             thread.join()
     assert stopped == [200] * 20, stopped  # every burst request was still running
@@ -234,10 +234,11 @@ def test_a_burst_scales_a_model_out_and_its_end_scales_it_in_without_cutting_a_s
         assert now < deadline, f"no replica drained the streams: {states}"
         time.sleep(0.2)
     for request_id in streams:
-        stop = httpx.post(f"{app}/v2/models/demo/stopInfer", json={"id": request_id}, timeout=30)
+        stop = _stop_infer(app, request_id)
         assert stop.status_code == 200, (request_id, stop.text)
     for thread in stream_threads:
         thread.join(60)
+    assert not any(t.is_alive() for t in stream_threads), "a stream did not end after its stop"
     # every stream, the draining replica's among them, ran until its stop and ended whole (a cut
     # stream ends with an error event, or without its final event)
     for request_id, events in streams.items():
